@@ -1,0 +1,31 @@
+"""Postgres advisory locks as the single mutual-exclusion authority for Celery tasks."""
+
+from __future__ import annotations
+
+from .exceptions import (
+    ConfigurationError,
+    LockLost,
+    LockNameError,
+    LockTimeout,
+    LockUnavailable,
+    PglockError,
+)
+from .keys import lock_key
+from .lock import AdvisoryLock, current_lock, try_lock, wait_lock
+from .task import LOCK_SKIPPED_EVENT, TenantLockedTask
+
+__all__ = [
+    "LOCK_SKIPPED_EVENT",
+    "AdvisoryLock",
+    "ConfigurationError",
+    "LockLost",
+    "LockNameError",
+    "LockTimeout",
+    "LockUnavailable",
+    "PglockError",
+    "TenantLockedTask",
+    "current_lock",
+    "lock_key",
+    "try_lock",
+    "wait_lock",
+]

@@ -1,0 +1,170 @@
+"""pglock_* settings: read once per Celery app from app.conf, then the environment.
+
+Each setting is looked up as the lowercase ``pglock_*`` key in ``app.conf``,
+then as the uppercase ``PGLOCK_*`` environment variable, then its default.
+A value that does not parse is reported (a warning and a log line) and the
+default is used instead, except for ``pglock_dsn``, whose absence is an error
+at the first lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+
+from .exceptions import ConfigurationError
+
+logger = logging.getLogger("pglock_celery.config")
+
+_CACHE_ATTRIBUTE = "_pglock_config"
+
+
+def _positive_float(raw: Any) -> float:
+    value = float(raw)
+    if not value > 0:
+        raise ValueError("must be greater than 0")
+    return value
+
+
+def _positive_int(raw: Any) -> int:
+    value = int(raw)
+    if value <= 0:
+        raise ValueError("must be a whole number greater than 0")
+    return value
+
+
+def _boolean(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in {"1", "true", "yes", "on"}:
+        return True
+    if text in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError("must be true or false")
+
+
+def _application_name(raw: Any) -> str:
+    text = str(raw)
+    if not text or not text.isascii() or "|" in text or len(text) > 16:
+        raise ValueError("must be 1 to 16 ASCII characters without '|'")
+    return text
+
+
+def _optional_str(raw: Any) -> str | None:
+    return None if raw in (None, "") else str(raw)
+
+
+@dataclass(frozen=True)
+class PglockConfig:
+    """The pglock settings of one Celery app (see the README for each)."""
+
+    #: libpq connection string of the lock database (URI or key=value).
+    dsn: str | None = None
+    #: Seconds to wait for a lock session's connection before failing closed.
+    connect_timeout: float = 5.0
+    #: First field of the lock session's application_name.
+    application_name: str = "pglock"
+    #: Client TCP keepalives: idle seconds, probe interval, probe count.
+    keepalives_idle: int = 3
+    keepalives_interval: int = 1
+    keepalives_count: int = 3
+    #: Client tcp_user_timeout in seconds: unacknowledged data declares the
+    #: connection dead after this long.
+    tcp_user_timeout: float = 6.0
+    #: Server TCP keepalives on the lock session: the bound after which the
+    #: server frees a cut-off holder's locks is about idle + interval * count.
+    server_keepalives_idle: int = 5
+    server_keepalives_interval: int = 2
+    server_keepalives_count: int = 5
+    #: Server tcp_user_timeout on the lock session, in seconds.
+    server_tcp_user_timeout: float = 15.0
+    #: Server client_connection_check_interval on the lock session, seconds.
+    server_connection_check_interval: float = 5.0
+    #: Countdown in seconds before a lock_mode="retry" call tries again.
+    retry_countdown: float = 5.0
+    #: Whether a skip looks up and reports who holds the lock (one query).
+    report_holder: bool = True
+
+    @property
+    def server_bound(self) -> float:
+        """Seconds after which the server frees a silent holder's locks."""
+        keepalive = self.server_keepalives_idle + (
+            self.server_keepalives_interval * self.server_keepalives_count
+        )
+        return max(float(keepalive), self.server_tcp_user_timeout)
+
+    def require_dsn(self) -> str:
+        """Return the DSN, or raise ConfigurationError naming where to set it."""
+        if not self.dsn:
+            raise ConfigurationError(
+                "no lock database configured: set the Celery setting pglock_dsn "
+                "or the environment variable PGLOCK_DSN"
+            )
+        return self.dsn
+
+    def with_dsn(self, dsn: str | None) -> PglockConfig:
+        """Return this config with ``dsn`` in place of its own, when given."""
+        return self if dsn is None else dataclasses.replace(self, dsn=dsn)
+
+
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "dsn": _optional_str,
+    "connect_timeout": _positive_float,
+    "application_name": _application_name,
+    "keepalives_idle": _positive_int,
+    "keepalives_interval": _positive_int,
+    "keepalives_count": _positive_int,
+    "tcp_user_timeout": _positive_float,
+    "server_keepalives_idle": _positive_int,
+    "server_keepalives_interval": _positive_int,
+    "server_keepalives_count": _positive_int,
+    "server_tcp_user_timeout": _positive_float,
+    "server_connection_check_interval": _positive_float,
+    "retry_countdown": _positive_float,
+    "report_holder": _boolean,
+}
+
+#: Every setting: (app.conf key, environment variable, default).
+SETTINGS: tuple[tuple[str, str, Any], ...] = tuple(
+    (f"pglock_{field.name}", f"PGLOCK_{field.name.upper()}", field.default)
+    for field in dataclasses.fields(PglockConfig)
+)
+
+
+def load_config(conf: Any, environ: dict[str, str] | None = None) -> PglockConfig:
+    """Build a PglockConfig from a Celery ``conf`` mapping and the environment."""
+    environ = dict(os.environ) if environ is None else environ
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(PglockConfig):
+        key, env = f"pglock_{field.name}", f"PGLOCK_{field.name.upper()}"
+        raw = conf.get(key) if conf is not None else None
+        source = key
+        if raw is None and environ.get(env) not in (None, ""):
+            raw, source = environ[env], env
+        if raw is None:
+            continue
+        try:
+            values[field.name] = _PARSERS[field.name](raw)
+        except (TypeError, ValueError) as exc:
+            shown = "<hidden>" if field.name == "dsn" else repr(raw)
+            message = f"ignoring {source}={shown}: {exc}; using the default {field.default!r}"
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            logger.warning(message, extra={"setting": key})
+    return PglockConfig(**values)
+
+
+def get_config(app: Celery) -> PglockConfig:
+    """Return the app's PglockConfig, read once and cached on the app."""
+    cached: PglockConfig | None = getattr(app, _CACHE_ATTRIBUTE, None)
+    if cached is None:
+        cached = load_config(app.conf)
+        setattr(app, _CACHE_ATTRIBUTE, cached)
+    return cached

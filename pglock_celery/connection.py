@@ -1,0 +1,121 @@
+"""How a lock session is opened: its own connection, keepalives, identity, settings.
+
+A lock session is a dedicated psycopg connection in autocommit mode, opened in
+the process that uses it and never taken from an application pool. It
+connects with ``target_session_attrs=read-write`` (no lock on a standby) and
+sets, for its own session only, the server-side TCP keepalives,
+``tcp_user_timeout`` and ``client_connection_check_interval`` that bound how
+long a cut-off holder keeps its locks, and turns off the idle timeouts that
+would end a session holding a lock between statements.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from .config import PglockConfig
+from .exceptions import ConfigurationError, LockUnavailable
+
+#: Postgres truncates application_name to NAMEDATALEN - 1 bytes.
+APPLICATION_NAME_MAX_BYTES = 63
+#: Separates the fields of a lock session's application_name.
+FIELD_SEPARATOR = "|"
+
+_URI_PASSWORD = re.compile(r"://[^/@:]*:([^/@]*)@")
+_KEYWORD_PASSWORD = re.compile(r"password\s*=\s*('(?:[^'\\]|\\.)*'|[^\s]+)")
+
+
+def redact(text: str, dsn: str | None) -> str:
+    """Return ``text`` with any password found in ``dsn`` replaced by ``***``."""
+    if not dsn:
+        return text
+    for pattern in (_URI_PASSWORD, _KEYWORD_PASSWORD):
+        for match in pattern.finditer(dsn):
+            secret = match.group(1).strip("'")
+            if secret:
+                text = text.replace(secret, "***")
+    return text
+
+
+def describe_target(dsn: str) -> str:
+    """Return ``host:port/dbname`` of a DSN for messages, never its password."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "<malformed DSN>"
+    host = str(params.get("host") or params.get("hostaddr") or os.environ.get("PGHOST") or "")
+    port = str(params.get("port") or os.environ.get("PGPORT") or "5432")
+    dbname = str(params.get("dbname") or os.environ.get("PGDATABASE") or "")
+    where = f"{host or 'local socket'}:{port}"
+    return f"{where}/{dbname}" if dbname else where
+
+
+def application_name(prefix: str, lock: str, task_id: str | None, host: str | None = None) -> str:
+    """Return the application_name that identifies a lock session's holder.
+
+    Fields by importance, so truncation to 63 bytes cuts the least useful
+    first: ``prefix|lock|task id|pid@host``. The lock name may itself contain
+    the separator; readers check a candidate name against the lock's key.
+    """
+    host = host if host is not None else socket.gethostname()
+    fields = [prefix, lock, task_id or "-", f"{os.getpid()}@{host}"]
+    encoded = FIELD_SEPARATOR.join(fields).encode()
+    # Cut on a character boundary: Postgres would cut bytes blindly.
+    return encoded[:APPLICATION_NAME_MAX_BYTES].decode(errors="ignore")
+
+
+def _session_options(config: PglockConfig, inherited: str | None) -> str:
+    settings = {
+        "tcp_keepalives_idle": config.server_keepalives_idle,
+        "tcp_keepalives_interval": config.server_keepalives_interval,
+        "tcp_keepalives_count": config.server_keepalives_count,
+        "tcp_user_timeout": int(config.server_tcp_user_timeout * 1000),
+        "client_connection_check_interval": int(config.server_connection_check_interval * 1000),
+        "idle_session_timeout": 0,
+        "idle_in_transaction_session_timeout": 0,
+    }
+    ours = " ".join(f"-c {name}={value}" for name, value in settings.items())
+    return f"{inherited} {ours}" if inherited else ours
+
+
+def connect_kwargs(config: PglockConfig, app_name: str) -> dict[str, object]:
+    """Return the libpq parameters added to the DSN for a lock session."""
+    dsn = config.require_dsn()
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        raise ConfigurationError(
+            f"pglock_dsn is not a valid connection string: {redact(str(exc), dsn)}"
+        ) from None
+    return {
+        "autocommit": True,
+        "application_name": app_name,
+        # libpq counts whole seconds and treats anything below 2 as 2.
+        "connect_timeout": max(2, math.ceil(config.connect_timeout)),
+        "target_session_attrs": "read-write",
+        "keepalives": 1,
+        "keepalives_idle": config.keepalives_idle,
+        "keepalives_interval": config.keepalives_interval,
+        "keepalives_count": config.keepalives_count,
+        "tcp_user_timeout": int(config.tcp_user_timeout * 1000),
+        "options": _session_options(config, str(params.get("options") or "")),
+    }
+
+
+def open_session(config: PglockConfig, app_name: str) -> psycopg.Connection:
+    """Open a dedicated lock session, or raise LockUnavailable saying why."""
+    kwargs = connect_kwargs(config, app_name)
+    dsn = config.require_dsn()
+    try:
+        return psycopg.Connection.connect(dsn, **kwargs)  # type: ignore[arg-type]
+    except psycopg.Error as exc:
+        reason = " ".join(str(exc).split())
+        raise LockUnavailable(
+            f"cannot open a lock session to {describe_target(dsn)}: {redact(reason, dsn)}"
+        ) from exc

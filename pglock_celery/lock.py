@@ -1,0 +1,280 @@
+"""The advisory lock: try or wait, held(), ensure_held(), release.
+
+Each lock owns one dedicated session for its whole life: opened when
+acquiring, unlocked and closed when releasing. Session-level advisory locks
+are re-entrant within a session, so sharing a session between two holders
+would let both in; one session per lock rules that out.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextvars import ContextVar
+from types import TracebackType
+from typing import Any
+
+import psycopg
+from celery import current_app
+from celery._state import get_current_task
+from psycopg import errors as pg_errors
+from psycopg.pq import TransactionStatus
+
+from .config import PglockConfig, get_config
+from .connection import application_name, open_session
+from .exceptions import LockLost, LockTimeout, LockUnavailable
+from .inspect import Holder, find_holder
+from .keys import check_key, key_to_lock_fields, lock_key
+
+logger = logging.getLogger("pglock_celery.lock")
+
+_TRY = "SELECT pg_try_advisory_lock(%s::int8)"
+_WAIT = "SELECT pg_advisory_lock(%s::int8)"
+_UNLOCK = "SELECT pg_advisory_unlock(%s::int8)"
+_HELD = """
+SELECT EXISTS (
+  SELECT FROM pg_locks
+  WHERE locktype = 'advisory' AND granted AND objsubid = 1
+    AND pid = pg_backend_pid()
+    AND classid = %s::int8::oid AND objid = %s::int8::oid
+    AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+)
+"""
+
+_current: ContextVar[AdvisoryLock | None] = ContextVar("pglock_current_lock", default=None)
+
+
+def current_lock() -> AdvisoryLock | None:
+    """Return the lock held by the task body running here, else None.
+
+    Kept in a context variable: each thread, greenlet and process sees its own.
+    """
+    return _current.get()
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+class AdvisoryLock:
+    """A session-level Postgres advisory lock on a dedicated connection.
+
+    Use it through :func:`try_lock` or :func:`wait_lock`. Not thread-safe:
+    one lock belongs to one caller.
+    """
+
+    def __init__(
+        self,
+        name_or_key: str | int,
+        *,
+        config: PglockConfig,
+        wait: bool = False,
+        timeout: float | None = None,
+        task_id: str | None = None,
+    ) -> None:
+        if isinstance(name_or_key, str):
+            self.name: str | None = name_or_key
+            self.key: int = lock_key(name_or_key)
+        else:
+            self.name = None
+            self.key = check_key(name_or_key)
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"lock timeout must be >= 0 seconds, got {timeout}")
+        self.acquired = False
+        self._config = config
+        self._wait = wait
+        self._timeout = timeout
+        self._task_id = task_id
+        self._conn: psycopg.Connection | None = None
+
+    @property
+    def label(self) -> str:
+        """The lock's name, or its key when it has none (for messages)."""
+        return self.name if self.name is not None else f"#{self.key}"
+
+    @property
+    def connection(self) -> psycopg.Connection:
+        """The lock's own autocommit connection, while the lock is held."""
+        if self._conn is None or not self.acquired:
+            raise LockLost(f"lock {self.label} is not held: it has no connection")
+        return self._conn
+
+    def __repr__(self) -> str:
+        state = "held" if self.acquired else "not held"
+        return f"<AdvisoryLock {self.label!r} key={self.key} {state}>"
+
+    def acquire(self) -> bool:
+        """Open the session and take the lock; return whether it is held.
+
+        Raises LockUnavailable when the session cannot be opened or used, and
+        LockTimeout when a waiting lock is not granted within its timeout.
+        """
+        if self._conn is not None:
+            raise RuntimeError(f"lock {self.label} was already acquired once")
+        app_name = application_name(self._config.application_name, self.label, self._task_id)
+        self._conn = open_session(self._config, app_name)
+        try:
+            if self._wait:
+                self._wait_for_lock()
+                self.acquired = True
+            else:
+                row = self._conn.execute(_TRY, (self.key,)).fetchone()
+                self.acquired = bool(row and row[0])
+        except psycopg.Error as exc:
+            self._close()
+            raise LockUnavailable(
+                f"lock {self.label}: the lock session failed while locking: {_one_line(exc)}"
+            ) from exc
+        except BaseException:
+            self._close()
+            raise
+        return self.acquired
+
+    def _wait_for_lock(self) -> None:
+        assert self._conn is not None
+        if self._timeout is None:
+            self._conn.execute(_WAIT, (self.key,))
+            return
+        # lock_timeout = 0 means "forever" to Postgres: wait at least 1 ms.
+        millis = max(1, round(self._timeout * 1000))
+        self._conn.execute("SELECT set_config('lock_timeout', %s, false)", (f"{millis}ms",))
+        try:
+            self._conn.execute(_WAIT, (self.key,))
+        except pg_errors.LockNotAvailable:
+            self._close()
+            raise LockTimeout(
+                f"lock {self.label} not obtained within {self._timeout:g} s"
+            ) from None
+        self._conn.execute("RESET lock_timeout")
+
+    def holder(self) -> Holder | None:
+        """Return who holds the lock now, asked on this lock's session."""
+        if self._conn is None:
+            return None
+        try:
+            return find_holder(self._conn, self.key)
+        except psycopg.Error as exc:
+            logger.warning(
+                "lock %s: could not look up its holder: %s",
+                self.label,
+                _one_line(exc),
+                extra={"lock": self.label, "key": self.key},
+            )
+            return None
+
+    def held(self) -> bool:
+        """Ask Postgres whether this session still holds the lock.
+
+        A session that cannot be asked (closed, broken) holds nothing.
+        """
+        if self._conn is None or not self.acquired or self._conn.closed:
+            return False
+        try:
+            row = self._conn.execute(_HELD, key_to_lock_fields(self.key)).fetchone()
+        except psycopg.Error:
+            return False
+        return bool(row and row[0])
+
+    def ensure_held(self) -> None:
+        """Raise LockLost unless Postgres confirms the lock is still held."""
+        if not self.held():
+            raise LockLost(f"lock {self.label} (key {self.key}) is no longer held")
+
+    def release(self) -> None:
+        """Unlock and close the session; idempotent.
+
+        An open transaction is rolled back first: it was made under the lock and
+        must not outlive it. Raises LockLost when the unlock shows the lock was
+        already gone (false, or a failed session). The session is closed in
+        every case, which would free the lock anyway.
+        """
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        was_held, self.acquired = self.acquired, False
+        try:
+            if not was_held:
+                return
+            try:
+                if conn.info.transaction_status != TransactionStatus.IDLE:
+                    conn.rollback()
+                row = conn.execute(_UNLOCK, (self.key,)).fetchone()
+            except psycopg.Error as exc:
+                raise LockLost(
+                    f"lock {self.label}: the session failed at release, so the lock "
+                    f"was lost before it: {_one_line(exc)}"
+                ) from exc
+            if not (row and row[0]):
+                raise LockLost(f"lock {self.label} was no longer held at release")
+        finally:
+            conn.close()
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        self.acquired = False
+        if conn is not None:
+            conn.close()
+
+    def __enter__(self) -> AdvisoryLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.finish(exc)
+
+    def finish(self, error: BaseException | None) -> None:
+        """Release after the guarded code ended, with ``error`` if it raised.
+
+        A lost lock raises LockLost, unless ``error`` is already on its way:
+        then the loss is logged and the caller sees its own exception.
+        """
+        try:
+            self.release()
+        except LockLost as lost:
+            if error is None:
+                raise
+            logger.warning(
+                "%s (while the body raised %s)",
+                lost,
+                type(error).__name__,
+                extra={"lock": self.label, "key": self.key},
+            )
+
+
+def _config_for(dsn: str | None) -> PglockConfig:
+    return get_config(current_app).with_dsn(dsn)
+
+
+def _current_task_id() -> str | None:
+    task: Any = get_current_task()
+    return getattr(getattr(task, "request", None), "id", None) if task else None
+
+
+def try_lock(name_or_key: str | int, *, dsn: str | None = None) -> AdvisoryLock:
+    """Return a context manager that takes the lock if it is free, never waiting.
+
+    ``lock.acquired`` tells whether it was taken. Without ``dsn``, the current
+    Celery app's ``pglock_dsn`` is used, else ``PGLOCK_DSN``.
+    """
+    return AdvisoryLock(name_or_key, config=_config_for(dsn), task_id=_current_task_id())
+
+
+def wait_lock(
+    name_or_key: str | int, *, dsn: str | None = None, timeout: float | None = None
+) -> AdvisoryLock:
+    """Return a context manager that waits for the lock.
+
+    Raises LockTimeout when it is not granted within ``timeout`` seconds
+    (``None`` waits for as long as it takes).
+    """
+    return AdvisoryLock(
+        name_or_key,
+        config=_config_for(dsn),
+        wait=True,
+        timeout=timeout,
+        task_id=_current_task_id(),
+    )

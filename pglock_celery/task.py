@@ -1,0 +1,228 @@
+"""TenantLockedTask: every call runs under the advisory lock named by its arguments.
+
+The lock is taken in ``__call__`` on a session of its own and released in its
+``finally``, so every way out of the body (return, exception, ``self.retry``,
+``Ignore``, a soft time limit) releases it; a hard time limit or a killed
+process closes the session, and Postgres frees the lock with it. Nothing about
+a call is kept on the task instance, which every call in a process shares.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+from celery import Task
+
+from .config import PglockConfig, get_config
+from .exceptions import (
+    ConfigurationError,
+    LockLost,
+    LockNameError,
+    LockTimeout,
+    PglockError,
+)
+from .lock import AdvisoryLock, _current, current_lock
+
+logger = logging.getLogger("pglock_celery.task")
+
+#: Task event sent when a call skips because another session holds its lock.
+LOCK_SKIPPED_EVENT = "task-lock-skipped"
+
+SKIP, WAIT, RETRY = "skip", "wait", "retry"
+LOCK_MODES = (SKIP, WAIT, RETRY)
+
+
+class TenantLockedTask(Task):  # type: ignore[type-arg]
+    """A Celery task whose body runs only while it holds a Postgres advisory lock."""
+
+    #: The lock of a call: a ``str.format`` template over the call's bound
+    #: arguments (defaults applied), or a callable taking the call's arguments
+    #: and returning the name.
+    lock_name: ClassVar[str | Callable[..., str]] = "tenant:{tenant_id}"
+    #: ``"skip"``: return the skip result when the lock is held elsewhere;
+    #: ``"wait"``: block until it is free (bounded by ``lock_timeout``);
+    #: ``"retry"``: ``self.retry`` after a countdown, holding nothing meanwhile.
+    lock_mode: ClassVar[str] = SKIP
+    #: Seconds a ``"wait"`` call waits before LockTimeout; None: no bound.
+    lock_timeout: ClassVar[float | None] = None
+    #: Countdown of a ``"retry"`` call; None: the pglock_retry_countdown setting.
+    lock_retry_countdown: ClassVar[float | None] = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        name = self.resolve_lock_name(args, kwargs)
+        mode = self._checked_mode()
+        config = get_config(self.app)
+        config.require_dsn()
+        lock = AdvisoryLock(
+            name,
+            config=config,
+            wait=mode == WAIT,
+            timeout=self.lock_timeout,
+            task_id=self.request.id,
+        )
+        try:
+            lock.acquire()
+        except PglockError as exc:
+            # Celery's autoretry_for wraps run(), which never sees the errors
+            # of taking the lock; honour it for them here.
+            autoretry_for: tuple[type[BaseException], ...] = getattr(self, "autoretry_for", ())
+            if autoretry_for and isinstance(exc, autoretry_for):
+                raise self.retry(exc=exc, **getattr(self, "retry_kwargs", {})) from exc
+            raise
+        error: BaseException | None = None
+        try:
+            if not lock.acquired:
+                return self._lock_busy(lock, mode, config, args, kwargs)
+            token = _current.set(lock)
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                _current.reset(token)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            lock.finish(error)
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Release the call's lock, then retry as Celery does.
+
+        The retry message must not reach another worker while this call still
+        holds the lock, or the retry would be skipped by its own lock.
+        """
+        lock = current_lock()
+        if lock is not None and lock.acquired:
+            try:
+                lock.release()
+            except LockLost as lost:
+                logger.warning(
+                    "%s (before retrying task %s)",
+                    lost,
+                    self.name,
+                    extra={"lock": lock.label, "task_id": self.request.id},
+                )
+        return super().retry(*args, **kwargs)
+
+    def on_lock_skipped(
+        self,
+        lock_name: str,
+        holder: dict[str, Any] | None,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+    ) -> Any:
+        """Return the result of a call that skipped because the lock was held."""
+        return {"skipped": True, "lock": lock_name, "holder": holder}
+
+    def resolve_lock_name(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """Return the lock name of a call, or raise LockNameError saying why."""
+        spec = self.lock_name
+        if callable(spec):
+            try:
+                name = spec(*args, **kwargs)
+            except Exception as exc:
+                raise LockNameError(
+                    f"task {self.name}: lock_name callable raised {type(exc).__name__}: {exc}"
+                ) from exc
+        else:
+            name = self._format_lock_name(spec, args, kwargs)
+        if not isinstance(name, str):
+            raise LockNameError(
+                f"task {self.name}: lock name must be a str, got {type(name).__name__}"
+            )
+        if not name:
+            raise LockNameError(f"task {self.name}: lock name resolved to an empty string")
+        return name
+
+    def _format_lock_name(
+        self, template: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> str:
+        try:
+            bound = self._run_signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise LockNameError(
+                f"task {self.name}: the call's arguments do not fit its signature "
+                f"({exc}), so lock_name {template!r} cannot be resolved"
+            ) from exc
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        for parameter in self._run_signature.parameters.values():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                values.update(values.pop(parameter.name, {}))
+        try:
+            return template.format(**values)
+        except KeyError as exc:
+            raise LockNameError(
+                f"task {self.name}: lock_name {template!r} names argument "
+                f"{exc.args[0]!r}, which the call lacks (it has: "
+                f"{', '.join(values) or 'no arguments'})"
+            ) from exc
+        except (IndexError, AttributeError, ValueError) as exc:
+            raise LockNameError(
+                f"task {self.name}: lock_name {template!r} cannot be formatted: {exc}"
+            ) from exc
+
+    @functools.cached_property
+    def _run_signature(self) -> inspect.Signature:
+        return inspect.signature(self.run)
+
+    def _checked_mode(self) -> str:
+        if self.lock_mode not in LOCK_MODES:
+            raise ConfigurationError(
+                f"task {self.name}: lock_mode must be one of {', '.join(LOCK_MODES)}, "
+                f"not {self.lock_mode!r}"
+            )
+        return self.lock_mode
+
+    def _lock_busy(
+        self,
+        lock: AdvisoryLock,
+        mode: str,
+        config: PglockConfig,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+    ) -> Any:
+        name = lock.label
+        holder = lock.holder() if config.report_holder else None
+        holder_info = holder.as_dict() if holder is not None else None
+        shown = holder.application_name if holder is not None else "unknown"
+        # Close the session before anything is published: it holds nothing.
+        lock.release()
+        extra = {"lock": name, "task_id": self.request.id, "holder": holder_info}
+        if mode == RETRY:
+            countdown = self.lock_retry_countdown or config.retry_countdown
+            logger.info(
+                "lock %s is held by %s: task %s retries in %g s",
+                name,
+                shown,
+                self.name,
+                countdown,
+                extra=extra,
+            )
+            raise self.retry(
+                countdown=countdown,
+                exc=LockTimeout(
+                    f"task {self.name}: lock {name} was still held after "
+                    f"{self.request.retries} retries"
+                ),
+            )
+        logger.info("lock %s is held by %s: task %s skipped", name, shown, self.name, extra=extra)
+        self._send_skip_event(name, holder_info)
+        return self.on_lock_skipped(name, holder_info, args, kwargs)
+
+    def _send_skip_event(self, name: str, holder: dict[str, Any] | None) -> None:
+        if not (self.app.conf.worker_send_task_events and self.request.id):
+            return
+        try:
+            self.send_event(LOCK_SKIPPED_EVENT, lock=name, holder=holder)
+        except Exception as exc:
+            logger.warning(
+                "could not send %s for lock %s: %s",
+                LOCK_SKIPPED_EVENT,
+                name,
+                exc,
+                extra={"lock": name, "task_id": self.request.id},
+            )

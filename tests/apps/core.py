@@ -1,0 +1,156 @@
+"""The Celery app that integration tests run in real workers.
+
+Configured from the environment the test sets: PGLOCK_TEST_BROKER (broker and
+result backend), PGLOCK_TEST_QUEUE, and the pglock settings (PGLOCK_DSN, ...).
+Every step records its run in a history table through the lock's own
+connection, stamped with the server clock.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import psycopg
+import redis
+from celery import Celery
+from celery.exceptions import Ignore
+
+from pglock_celery import LockUnavailable, TenantLockedTask, current_lock
+
+app = Celery("pglock_tests")
+app.conf.update(
+    broker_url=os.environ.get("PGLOCK_TEST_BROKER", "redis://127.0.0.1:6379/0"),
+    result_backend=os.environ.get("PGLOCK_TEST_BROKER", "redis://127.0.0.1:6379/0"),
+    task_default_queue=os.environ.get("PGLOCK_TEST_QUEUE", "pglock-tests"),
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    result_expires=3600,
+)
+
+
+def _record_start(table: str, attempt: int = 0) -> int:
+    lock = current_lock()
+    assert lock is not None, "step body ran without a current lock"
+    with lock.connection.transaction():
+        row = lock.connection.execute(
+            f"INSERT INTO {table} (lock_name, worker_pid, session_pid, attempt, started)"
+            " VALUES (%s, %s, pg_backend_pid(), %s, clock_timestamp()) RETURNING id",
+            (lock.name, os.getpid(), attempt),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _record_end(table: str, run_id: int) -> None:
+    lock = current_lock()
+    assert lock is not None
+    with lock.connection.transaction():
+        lock.connection.execute(
+            f"UPDATE {table} SET finished = clock_timestamp() WHERE id = %s", (run_id,)
+        )
+
+
+def _run(table: str, seconds: float, attempt: int = 0) -> dict[str, Any]:
+    run_id = _record_start(table, attempt)
+    time.sleep(seconds)
+    _record_end(table, run_id)
+    return {"ran": True, "pid": os.getpid(), "run": run_id}
+
+
+@app.task(base=TenantLockedTask)
+def step(tenant_id: str, table: str, seconds: float = 0.0) -> dict[str, Any]:
+    """Record a run of ``seconds`` under the tenant's lock."""
+    return _run(table, seconds)
+
+
+@app.task(base=TenantLockedTask, lock_mode="wait", lock_timeout=30)
+def wait_step(tenant_id: str, table: str, seconds: float = 0.0) -> dict[str, Any]:
+    return _run(table, seconds)
+
+
+@app.task(base=TenantLockedTask, lock_mode="wait", lock_timeout=0.5)
+def wait_briefly(tenant_id: str, table: str) -> dict[str, Any]:
+    return _run(table, 0)
+
+
+@app.task(base=TenantLockedTask, lock_mode="retry", lock_retry_countdown=0.2, max_retries=50)
+def retry_step(tenant_id: str, table: str) -> dict[str, Any]:
+    return _run(table, 0)
+
+
+@app.task(base=TenantLockedTask, bind=True, max_retries=3)
+def retry_self(self: TenantLockedTask, tenant_id: str, table: str) -> dict[str, Any]:
+    """Retry once; the first attempt stays in its body until the retry has finished.
+
+    That retry can only run if the first attempt gave up its lock when it
+    asked to be retried.
+    """
+    attempt = self.request.retries
+    run_id = _record_start(table, attempt)
+    if attempt > 0:
+        _record_end(table, run_id)
+        return {"ran": True, "attempt": attempt}
+    retry = self.retry(countdown=0, throw=False)
+    with psycopg.connect(os.environ["PGLOCK_DSN"], autocommit=True) as conn:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            seen = conn.execute(
+                f"SELECT count(*) FROM {table} WHERE attempt = 1 AND finished IS NOT NULL"
+            ).fetchone()
+            if seen and seen[0]:
+                break
+            time.sleep(0.02)
+    raise retry
+
+
+@app.task(base=TenantLockedTask)
+def fail(tenant_id: str) -> None:
+    raise ValueError(f"step for {tenant_id} failed on purpose")
+
+
+@app.task(base=TenantLockedTask)
+def ignore(tenant_id: str) -> None:
+    raise Ignore()
+
+
+@app.task(base=TenantLockedTask, soft_time_limit=0.5)
+def overrun(tenant_id: str) -> None:
+    time.sleep(30)
+
+
+@app.task(base=TenantLockedTask, bind=True, max_retries=1)
+def retry_once(self: TenantLockedTask, tenant_id: str) -> str:
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return "retried"
+
+
+def _marker() -> redis.Redis:
+    return redis.Redis.from_url(app.conf.broker_url)
+
+
+@app.task(base=TenantLockedTask)
+def mark(tenant_id: str, marker: str) -> str:
+    """Set a Redis key: proof that the body ran."""
+    _marker().set(marker, "ran")
+    return "ran"
+
+
+class CountingRetries(TenantLockedTask):
+    def on_retry(self, exc, task_id, args, kwargs, einfo):  # type: ignore[no-untyped-def]
+        _marker().incr(f"retries:{task_id}")
+
+
+@app.task(
+    base=CountingRetries,
+    autoretry_for=(LockUnavailable,),
+    retry_kwargs={"countdown": 0.1},
+    max_retries=2,
+)
+def mark_with_retries(tenant_id: str, marker: str) -> str:
+    _marker().set(marker, "ran")
+    return "ran"

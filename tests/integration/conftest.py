@@ -1,0 +1,79 @@
+"""Real workers on real services for the integration tests."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from celery import Celery
+
+from tests.apps.core import app as core_app
+from tests.helpers.history import create_history, drop_history
+from tests.helpers.services import wait_until
+from tests.helpers.workers import Worker
+
+LEFTOVERS = """
+SELECT
+  (SELECT count(*) FROM pg_stat_activity
+   WHERE application_name LIKE 'pglock|%' AND pid <> pg_backend_pid()),
+  (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid <> pg_backend_pid())
+"""
+
+
+def leftovers(dsn: str) -> tuple[int, int]:
+    """Return (lock sessions, advisory locks) still present on the server."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(LEFTOVERS).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_leaks_after_the_suite(pg_dsn: str) -> Iterator[None]:
+    """After every test and worker is done: no lock session, no advisory lock."""
+    yield
+    wait_until(lambda: leftovers(pg_dsn) == (0, 0), 10, "lock sessions and locks to go")
+
+
+@pytest.fixture(scope="session")
+def queue() -> str:
+    return f"pglock-tests-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def worker_env(pg_dsn: str, broker_url: str, queue: str) -> dict[str, str]:
+    return {"PGLOCK_DSN": pg_dsn, "PGLOCK_TEST_BROKER": broker_url, "PGLOCK_TEST_QUEUE": queue}
+
+
+@pytest.fixture(scope="session")
+def app(broker_url: str, queue: str, pg_dsn: str) -> Celery:
+    core_app.conf.update(
+        broker_url=broker_url,
+        result_backend=broker_url,
+        task_default_queue=queue,
+        pglock_dsn=pg_dsn,
+    )
+    return core_app
+
+
+@pytest.fixture(scope="session")
+def workers(app: Celery, worker_env: dict[str, str], log_dir: Path) -> Iterator[list[Worker]]:
+    """Two prefork workers, two processes each, on the session's queue."""
+    started: list[Worker] = []
+    try:
+        for _ in range(2):
+            started.append(Worker(app, "tests.apps.core", worker_env, log_dir, concurrency=2))
+        yield started
+    finally:
+        for worker in started:
+            worker.stop()
+
+
+@pytest.fixture
+def history(pg_dsn: str) -> Iterator[str]:
+    table = create_history(pg_dsn)
+    yield table
+    drop_history(pg_dsn, table)
