@@ -37,7 +37,9 @@ def redact(text: str, dsn: str | None) -> str:
         return text
     for pattern in (_URI_PASSWORD, _KEYWORD_PASSWORD):
         for match in pattern.finditer(dsn):
-            secret = match.group(1).strip("'")
+            secret = match.group(1)
+            if secret.startswith("'"):
+                secret = re.sub(r"\\(.)", r"\1", secret[1:-1])
             if secret:
                 text = text.replace(secret, "***")
     return text

@@ -119,7 +119,11 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
 
     def resolve_lock_name(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """Return the lock name of a call, or raise LockNameError saying why."""
-        spec = self.lock_name
+        # A function stored as a class attribute would come back bound to the
+        # task; the callable takes the call's arguments only.
+        spec = inspect.getattr_static(self, "lock_name")
+        if isinstance(spec, (staticmethod, classmethod)):
+            spec = spec.__get__(None, type(self))
         if callable(spec):
             try:
                 name = spec(*args, **kwargs)

@@ -113,7 +113,8 @@ def fail(tenant_id: str) -> None:
 
 
 @app.task(base=TenantLockedTask)
-def ignore(tenant_id: str) -> None:
+def ignore(tenant_id: str, table: str) -> None:
+    _record_start(table)
     raise Ignore()
 
 

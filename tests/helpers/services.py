@@ -9,6 +9,7 @@ binaries from the ``pgserver`` wheel or the system, ``redis-server`` from the
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import pwd
 import shutil
@@ -67,12 +68,11 @@ def embedded_only() -> bool:
 def postgres_bindir() -> Path:
     """Return a directory with initdb, pg_ctl and postgres."""
     candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
-    try:
-        from pgserver._commands import POSTGRES_BIN_PATH
-
-        candidates.insert(0, Path(POSTGRES_BIN_PATH))
-    except ImportError:
-        pass
+    # Find the pgserver wheel's binaries without importing it (its import has
+    # side effects: platform dirs, warnings).
+    spec = importlib.util.find_spec("pgserver")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidates.insert(0, Path(location) / "pginstall" / "bin")
     for bindir in candidates:
         if (bindir / "pg_ctl").exists() and (bindir / "initdb").exists():
             return bindir

@@ -121,7 +121,7 @@ def test_open_transaction_is_rolled_back_at_release(pg_dsn: str, run_id: str) ->
 def test_wait_lock_times_out_while_another_session_holds_it(pg_dsn: str, run_id: str) -> None:
     with try_lock(f"t:{run_id}", dsn=pg_dsn) as holder:
         assert holder.acquired
-        with pytest.raises(LockTimeout, match="0.2 s"):
+        with pytest.raises(LockTimeout, match=r"0\.2 s"):
             with wait_lock(f"t:{run_id}", dsn=pg_dsn, timeout=0.2):
                 pytest.fail("the body ran without the lock")
 

@@ -1,0 +1,222 @@
+"""TenantLockedTask in real `celery worker` processes on real Redis and Postgres."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from celery import Celery
+
+from pglock_celery import LockTimeout, try_lock
+from tests.apps import core
+from tests.helpers.history import overlaps, read_history
+from tests.helpers.services import wait_until
+from tests.helpers.workers import Worker
+
+RESULT_TIMEOUT = 60
+
+
+def is_skip(result: object, lock: str) -> bool:
+    return isinstance(result, dict) and result.get("skipped") is True and result["lock"] == lock
+
+
+def test_two_prefork_workers_never_overlap_on_a_tenant(
+    workers: list[Worker], history: str, pg_dsn: str, run_id: str
+) -> None:
+    """200 calls over 10 tenants with 5-50 ms bodies: every call ran or skipped, none overlap."""
+    rng = random.Random(run_id)
+    tenants = [f"{run_id}-{n}" for n in range(10)]
+    order = tenants * 20
+    rng.shuffle(order)
+    calls = [(t, core.step.delay(t, history, rng.uniform(0.005, 0.05))) for t in order]
+    results = [(tenant, call.get(timeout=RESULT_TIMEOUT)) for tenant, call in calls]
+
+    ran = [result for _, result in results if isinstance(result, dict) and result.get("ran")]
+    skipped = [(t, r) for t, r in results if is_skip(r, f"tenant:{t}")]
+    runs = read_history(pg_dsn, history)
+    print(f"\n{len(calls)} calls: {len(ran)} ran, {len(skipped)} skipped, {len(runs)} history rows")
+    assert len(ran) + len(skipped) == len(calls) == 200
+    assert len(runs) == len(ran)
+    assert all(run.finished is not None for run in runs)
+    pids = {run.worker_pid for run in runs}
+    assert all(pids & set(worker.children()) for worker in workers), "a worker never ran a step"
+    assert skipped, "no call ever found its tenant locked: the test could not have failed"
+    assert overlaps(runs) == []
+
+
+def test_sigkill_of_the_holding_child_frees_the_lock_within_a_second(
+    workers: list[Worker], history: str, pg_dsn: str, run_id: str
+) -> None:
+    tenant = f"{run_id}-killed"
+    core.step.delay(tenant, history, 60)
+    run = wait_until(lambda: read_history(pg_dsn, history), 30, "the step to start")[0]
+    os.kill(run.worker_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    while True:
+        with try_lock(f"tenant:{tenant}", dsn=pg_dsn) as lock:
+            if lock.acquired:
+                break
+        assert time.monotonic() - killed_at < 1.0, "the lock outlived its holder by 1 s"
+    freed_after = time.monotonic() - killed_at
+    print(f"\nSIGKILL of pid {run.worker_pid} -> lock free after {freed_after * 1000:.1f} ms")
+    assert freed_after < 1.0
+
+
+def test_wait_mode_runs_both_calls_one_after_the_other(
+    workers: list[Worker], history: str, pg_dsn: str, run_id: str
+) -> None:
+    tenant = f"{run_id}-serial"
+    calls = [core.wait_step.delay(tenant, history, 0.3) for _ in range(2)]
+    results = [call.get(timeout=RESULT_TIMEOUT) for call in calls]
+    runs = read_history(pg_dsn, history)
+    assert [result["ran"] for result in results] == [True, True]
+    assert len(runs) == 2
+    assert overlaps(runs) == []
+
+
+def test_wait_mode_raises_lock_timeout_after_lock_timeout(
+    workers: list[Worker], history: str, pg_dsn: str, run_id: str
+) -> None:
+    tenant = f"{run_id}-busy"
+    with try_lock(f"tenant:{tenant}", dsn=pg_dsn) as held:
+        assert held.acquired
+        call = core.wait_briefly.delay(tenant, history)
+        with pytest.raises(LockTimeout, match=f"tenant:{tenant}"):
+            call.get(timeout=RESULT_TIMEOUT)
+    assert read_history(pg_dsn, history) == []
+
+
+def test_retry_mode_retries_while_held_and_runs_once_free(
+    workers: list[Worker], app: Celery, history: str, pg_dsn: str, run_id: str
+) -> None:
+    tenant = f"{run_id}-retry"
+    with try_lock(f"tenant:{tenant}", dsn=pg_dsn) as held:
+        assert held.acquired
+        call = core.retry_step.delay(tenant, history)
+        wait_until(lambda: call.state == "RETRY", 30, "the call to be retried")
+    result = call.get(timeout=RESULT_TIMEOUT)
+    assert result["ran"] is True
+    assert len(read_history(pg_dsn, history)) == 1
+
+
+def test_a_tasks_own_retry_is_not_blocked_by_its_own_lock(
+    workers: list[Worker], history: str, pg_dsn: str, run_id: str
+) -> None:
+    """The first attempt stays in its body until its retry has finished a run."""
+    tenant = f"{run_id}-self"
+    core.retry_self.delay(tenant, history)
+
+    with psycopg.connect(pg_dsn) as conn:
+        wait_until(
+            lambda: (
+                conn.execute(
+                    f"SELECT count(*) FROM {history} WHERE attempt = 1 AND finished IS NOT NULL"
+                ).fetchone()
+                == (1,)
+            ),
+            30,
+            "the retry to run while the first attempt is still in its body",
+        )
+        first = conn.execute(f"SELECT finished FROM {history} WHERE attempt = 0").fetchone()
+    assert first == (None,), "the first attempt should still be in its body"
+
+
+def lock_is_free(dsn: str, name: str) -> bool:
+    with try_lock(name, dsn=dsn) as lock:
+        return lock.acquired
+
+
+def lock_sessions_of(dsn: str, name: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE %s",
+            (f"pglock|{name}|%",),
+        ).fetchone()
+    return int(row[0]) if row else -1
+
+
+def assert_released(dsn: str, name: str) -> None:
+    wait_until(lambda: lock_sessions_of(dsn, name) == 0, 5, f"sessions of {name} to close")
+    assert lock_is_free(dsn, name)
+
+
+def test_lock_is_released_on_success_exception_ignore_retry_and_soft_limit(
+    workers: list[Worker], history: str, pg_dsn: str, run_id: str
+) -> None:
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    tenant = f"{run_id}-paths"
+    name = f"tenant:{tenant}"
+
+    assert core.step.delay(tenant, history).get(timeout=RESULT_TIMEOUT)["ran"]
+    assert_released(pg_dsn, name)
+
+    with pytest.raises(ValueError, match="on purpose"):
+        core.fail.delay(tenant).get(timeout=RESULT_TIMEOUT)
+    assert_released(pg_dsn, name)
+
+    core.ignore.delay(tenant, history)  # Ignore leaves no result: its history row shows it ran
+    wait_until(lambda: read_history(pg_dsn, history)[1:], 30, "the ignored call to run")
+    assert_released(pg_dsn, name)
+
+    assert core.retry_once.delay(tenant).get(timeout=RESULT_TIMEOUT) == "retried"
+    assert_released(pg_dsn, name)
+
+    with pytest.raises(SoftTimeLimitExceeded):
+        core.overrun.delay(tenant).get(timeout=RESULT_TIMEOUT)
+    assert_released(pg_dsn, name)
+
+
+def test_a_skip_releases_its_session(
+    workers: list[Worker], history: str, pg_dsn: str, run_id: str
+) -> None:
+    tenant = f"{run_id}-skip"
+    name = f"tenant:{tenant}"
+    with try_lock(name, dsn=pg_dsn) as held:
+        assert held.acquired
+        result = core.step.delay(tenant, history).get(timeout=RESULT_TIMEOUT)
+        assert is_skip(result, name)
+        assert result["holder"]["backend_pid"] == held.connection.info.backend_pid
+        assert result["holder"]["name"] == name
+        # Only the test's own session is left: the skipped call closed its one.
+        wait_until(lambda: lock_sessions_of(pg_dsn, name) == 1, 5, "the skip's session to close")
+    assert_released(pg_dsn, name)
+    assert read_history(pg_dsn, history) == []
+
+
+THREAD_QUEUE_SUFFIX = "-threads"
+
+
+@pytest.fixture(scope="module")
+def thread_worker(app: Celery, worker_env: dict[str, str], log_dir: Path) -> Iterator[Worker]:
+    """One worker, thread pool of 4, on a queue of its own."""
+    env = {**worker_env, "PGLOCK_TEST_QUEUE": worker_env["PGLOCK_TEST_QUEUE"] + THREAD_QUEUE_SUFFIX}
+    worker = Worker(app, "tests.apps.core", env, log_dir, pool="threads", concurrency=4)
+    yield worker
+    worker.stop()
+
+
+def test_threads_in_one_process_never_share_a_tenants_lock(
+    thread_worker: Worker, queue: str, history: str, pg_dsn: str, run_id: str
+) -> None:
+    """Session locks are re-entrant: one process must not let two threads in."""
+    tenant = f"{run_id}-threads"
+    calls = [
+        core.step.apply_async((tenant, history, 0.02), queue=queue + THREAD_QUEUE_SUFFIX)
+        for _ in range(40)
+    ]
+    results = [call.get(timeout=RESULT_TIMEOUT) for call in calls]
+    runs = read_history(pg_dsn, history)
+    ran = [r for r in results if isinstance(r, dict) and r.get("ran")]
+    skipped = [r for r in results if is_skip(r, f"tenant:{tenant}")]
+    print(f"\nthread pool: {len(ran)} ran, {len(skipped)} skipped")
+    assert len(ran) + len(skipped) == 40
+    assert {run.worker_pid for run in runs} == {thread_worker.pid}
+    assert skipped, "no two threads ever met on the tenant: the test could not have failed"
+    assert overlaps(runs) == []

@@ -1,0 +1,70 @@
+"""Settings: app.conf first, then PGLOCK_* environment variables, then defaults."""
+
+from __future__ import annotations
+
+import pytest
+from celery import Celery
+
+from pglock_celery import ConfigurationError
+from pglock_celery.config import SETTINGS, PglockConfig, get_config, load_config
+
+
+def test_defaults_without_any_setting() -> None:
+    config = load_config({}, environ={})
+    assert config == PglockConfig()
+    assert config.dsn is None
+    assert config.server_bound == 15.0
+
+
+def test_app_conf_wins_over_the_environment() -> None:
+    config = load_config(
+        {"pglock_dsn": "dbname=from_conf", "pglock_connect_timeout": 2},
+        environ={"PGLOCK_DSN": "dbname=from_env", "PGLOCK_CONNECT_TIMEOUT": "9"},
+    )
+    assert config.dsn == "dbname=from_conf"
+    assert config.connect_timeout == 2.0
+
+
+def test_environment_is_the_fallback() -> None:
+    config = load_config({}, environ={"PGLOCK_DSN": "dbname=x", "PGLOCK_REPORT_HOLDER": "no"})
+    assert config.dsn == "dbname=x"
+    assert config.report_holder is False
+
+
+def test_bad_value_warns_and_keeps_the_default(caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.warns(RuntimeWarning, match="PGLOCK_CONNECT_TIMEOUT='soon'"):
+        config = load_config({}, environ={"PGLOCK_CONNECT_TIMEOUT": "soon"})
+    assert config.connect_timeout == PglockConfig.connect_timeout
+    assert "PGLOCK_CONNECT_TIMEOUT" in caplog.text
+
+
+def test_negative_interval_is_refused() -> None:
+    with pytest.warns(RuntimeWarning, match="greater than 0"):
+        config = load_config({"pglock_server_keepalives_idle": -1}, environ={})
+    assert config.server_keepalives_idle == PglockConfig.server_keepalives_idle
+
+
+def test_application_name_prefix_may_not_hold_the_separator() -> None:
+    with pytest.warns(RuntimeWarning, match="without '\\|'"):
+        config = load_config({"pglock_application_name": "a|b"}, environ={})
+    assert config.application_name == "pglock"
+
+
+def test_missing_dsn_names_the_setting_and_the_variable() -> None:
+    with pytest.raises(ConfigurationError, match=r"pglock_dsn.*PGLOCK_DSN"):
+        PglockConfig().require_dsn()
+
+
+def test_config_is_read_once_and_cached_on_the_app() -> None:
+    app = Celery("cfg", set_as_current=False)
+    app.conf.pglock_dsn = "dbname=first"
+    first = get_config(app)
+    app.conf.pglock_dsn = "dbname=second"
+    assert get_config(app) is first
+    assert first.dsn == "dbname=first"
+
+
+def test_every_setting_has_a_prefixed_name_and_variable() -> None:
+    for key, env, _default in SETTINGS:
+        assert key.startswith("pglock_") and key.islower()
+        assert env == key.upper()

@@ -1,0 +1,71 @@
+"""How a lock session identifies itself and what it asks of the server."""
+
+from __future__ import annotations
+
+import pytest
+
+from pglock_celery import ConfigurationError
+from pglock_celery.config import PglockConfig
+from pglock_celery.connection import (
+    APPLICATION_NAME_MAX_BYTES,
+    application_name,
+    connect_kwargs,
+    describe_target,
+    redact,
+)
+
+
+def test_application_name_carries_lock_task_pid_and_host() -> None:
+    name = application_name("pglock", "tenant:42", "abc", host="w1")
+    prefix, lock, task, where = name.split("|")
+    assert (prefix, lock, task) == ("pglock", "tenant:42", "abc")
+    pid, host = where.split("@")
+    assert pid.isdigit() and host == "w1"
+
+
+def test_application_name_marks_a_missing_task_id() -> None:
+    assert application_name("pglock", "n", None, host="h").split("|")[2] == "-"
+
+
+def test_long_application_name_is_cut_to_63_bytes_on_a_character_boundary() -> None:
+    name = application_name("pglock", "tenant:" + "é" * 60, "task", host="h")
+    assert len(name.encode()) <= APPLICATION_NAME_MAX_BYTES
+    assert name.startswith("pglock|tenant:é")
+    name.encode().decode()  # still valid UTF-8
+
+
+def test_redact_hides_passwords_in_both_dsn_forms() -> None:
+    assert redact("failed for s3cret", "postgresql://u:s3cret@h/db") == "failed for ***"
+    assert redact("x s3cret y", "host=h password=s3cret") == "x *** y"
+    assert redact("failed: a b'c", "host=h password='a b\\'c'") == "failed: ***"
+    assert redact("nothing here", None) == "nothing here"
+
+
+def test_describe_target_shows_host_port_and_database_only() -> None:
+    assert describe_target("postgresql://u:pw@db.example:6543/app") == "db.example:6543/app"
+    assert describe_target("dbname=x") == "local socket:5432/x"
+
+
+def test_connect_kwargs_keep_the_dsns_own_options() -> None:
+    config = PglockConfig(dsn="host=h options='-c search_path=app'")
+    kwargs = connect_kwargs(config, "pglock|n|-|1@h")
+    options = str(kwargs["options"])
+    assert options.startswith("-c search_path=app ")
+    assert "-c idle_session_timeout=0" in options
+    assert "-c tcp_keepalives_idle=5" in options
+    assert kwargs["target_session_attrs"] == "read-write"
+    assert kwargs["autocommit"] is True
+    assert kwargs["application_name"] == "pglock|n|-|1@h"
+
+
+def test_client_detects_a_dead_peer_before_the_server_frees_the_lock() -> None:
+    config = PglockConfig()
+    client = config.keepalives_idle + config.keepalives_interval * config.keepalives_count
+    assert max(client, config.tcp_user_timeout) < config.server_bound
+
+
+def test_malformed_dsn_is_a_configuration_error_without_the_password() -> None:
+    config = PglockConfig(dsn="host=h password=hunter2 oops")
+    with pytest.raises(ConfigurationError, match="not a valid connection string") as raised:
+        connect_kwargs(config, "x")
+    assert "hunter2" not in str(raised.value)

@@ -1,0 +1,33 @@
+"""Reading a holder back from its application_name."""
+
+from __future__ import annotations
+
+from pglock_celery import lock_key
+from pglock_celery.connection import application_name
+from pglock_celery.inspect import parse_application_name
+
+
+def test_full_application_name_gives_every_field() -> None:
+    app_name = application_name("pglock", "tenant:42", "task-1", host="w1")
+    name, truncated, task_id, pid, host = parse_application_name(app_name, lock_key("tenant:42"))
+    assert (name, truncated, task_id, host) == ("tenant:42", False, "task-1", "w1")
+    assert isinstance(pid, int)
+
+
+def test_a_name_holding_the_separator_is_recovered_by_its_key() -> None:
+    app_name = application_name("pglock", "a|b", "t", host="h")
+    assert parse_application_name(app_name, lock_key("a|b"))[:3] == ("a|b", False, "t")
+
+
+def test_a_name_cut_at_63_bytes_comes_back_as_a_marked_prefix() -> None:
+    long_name = "tenant:" + "x" * 80
+    app_name = application_name("pglock", long_name, "t", host="h")
+    name, truncated, task_id, _, _ = parse_application_name(app_name, lock_key(long_name))
+    assert truncated and long_name.startswith(str(name)) and task_id is None
+
+
+def test_foreign_sessions_are_not_misread() -> None:
+    assert parse_application_name("psql", 1) == (None, False, None, None, None)
+    other = application_name("pglock", "tenant:1", "t", host="h")
+    assert parse_application_name(other, lock_key("tenant:2"))[0] is None
+    assert parse_application_name(other, lock_key("tenant:1"), prefix="other")[0] is None

@@ -1,0 +1,96 @@
+"""Lock names from a call's arguments, and clear errors before any lock is taken."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from pglock_celery import ConfigurationError, LockNameError, PglockError, TenantLockedTask
+
+
+@pytest.fixture
+def app(monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
+    monkeypatch.delenv("PGLOCK_DSN", raising=False)
+    app = Celery("unit", set_as_current=False, broker="memory://", backend="cache+memory://")
+    app.conf.task_store_eager_result = True
+    yield app
+
+
+def make(app: Celery, **options: Any) -> TenantLockedTask:
+    @app.task(base=TenantLockedTask, shared=False, **options)
+    def step(tenant_id: Any, stage: str = "train", **extra: Any) -> str:
+        return "ran"
+
+    return step  # type: ignore[return-value]
+
+
+def test_template_sees_positional_keyword_and_default_arguments(app: Celery) -> None:
+    task = make(app, lock_name="{tenant_id}:{stage}:{region}")
+    assert task.resolve_lock_name((7,), {"region": "eu"}) == "7:train:eu"
+    assert task.resolve_lock_name((), {"tenant_id": 7, "stage": "eval", "region": "eu"}) == (
+        "7:eval:eu"
+    )
+
+
+def test_default_name_is_tenant_colon_id(app: Celery) -> None:
+    assert make(app).resolve_lock_name((42,), {}) == "tenant:42"
+
+
+def test_uuid_arguments_format_as_their_str(app: Celery) -> None:
+    tenant = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    assert make(app).resolve_lock_name((tenant,), {}) == f"tenant:{tenant}"
+
+
+def test_template_naming_a_missing_argument_names_task_and_argument(app: Celery) -> None:
+    task = make(app, lock_name="tenant:{customer}")
+    with pytest.raises(LockNameError, match=r"task .*step.*'customer'.*lacks"):
+        task.resolve_lock_name((1,), {})
+
+
+def test_arguments_that_do_not_fit_the_signature_are_reported(app: Celery) -> None:
+    with pytest.raises(LockNameError, match="do not fit its signature"):
+        make(app).resolve_lock_name((), {})
+
+
+def test_callable_lock_name_gets_the_call_arguments(app: Celery) -> None:
+    task = make(app, lock_name=lambda tenant_id, **kw: f"t-{tenant_id}-{kw.get('stage')}")
+    assert task.resolve_lock_name((3,), {"stage": "x"}) == "t-3-x"
+
+
+def test_callable_that_raises_names_the_task_and_the_error(app: Celery) -> None:
+    def broken(*args: Any, **kwargs: Any) -> str:
+        raise KeyError("region")
+
+    with pytest.raises(LockNameError, match=r"task .*step.*KeyError"):
+        make(app, lock_name=broken).resolve_lock_name((1,), {})
+
+
+@pytest.mark.parametrize(("spec", "why"), [(lambda *a: "", "empty"), (lambda *a: 42, "int")])
+def test_empty_or_non_str_names_are_refused(app: Celery, spec: Any, why: str) -> None:
+    with pytest.raises(LockNameError, match=why):
+        make(app, lock_name=spec).resolve_lock_name((1,), {})
+
+
+def test_bad_name_fails_the_call_before_any_lock(app: Celery) -> None:
+    app.conf.pglock_dsn = "host=127.0.0.1 port=1"  # would fail loudly if it were used
+    result = make(app, lock_name="tenant:{nope}").apply((1,))
+    assert result.failed()
+    assert isinstance(result.result, PglockError)
+    assert "nope" in str(result.result)
+
+
+def test_missing_dsn_fails_the_first_call_naming_setting_and_variable(app: Celery) -> None:
+    result = make(app).apply((1,))
+    assert isinstance(result.result, ConfigurationError)
+    assert "pglock_dsn" in str(result.result) and "PGLOCK_DSN" in str(result.result)
+
+
+def test_unknown_lock_mode_is_a_configuration_error(app: Celery) -> None:
+    app.conf.pglock_dsn = "host=127.0.0.1 port=1"
+    result = make(app, lock_mode="block").apply((1,))
+    assert isinstance(result.result, ConfigurationError)
+    assert "lock_mode" in str(result.result)
