@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.services import postgres_service, redis_service
+from tests.helpers.services import postgres_for_tests, redis_for_tests
 
 #: In CI a capability the machine lacks must fail the run, never skip.
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -17,13 +17,13 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 
 @pytest.fixture(scope="session")
 def pg_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with postgres_service(tmp_path_factory.mktemp("postgres")) as dsn:
+    with postgres_for_tests(tmp_path_factory.mktemp("postgres")) as dsn:
         yield dsn
 
 
 @pytest.fixture(scope="session")
 def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with redis_service(tmp_path_factory.mktemp("redis")) as url:
+    with redis_for_tests(tmp_path_factory.mktemp("redis")) as url:
         yield url
 
 

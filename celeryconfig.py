@@ -1,0 +1,55 @@
+"""Celery settings of the orchestrator (the `tasks` app); each one overridable by env.
+
+| variable                  | default                        |
+| ------------------------- | ------------------------------ |
+| ORCH_BROKER_URL           | redis://127.0.0.1:6379/0       |
+| ORCH_RESULT_BACKEND       | the broker URL                 |
+| PGLOCK_DSN                | host=127.0.0.1 dbname=postgres |
+| ORCH_QUEUE                | pipelines                      |
+| ORCH_SCAN_INTERVAL        | 5 (seconds between beat scans) |
+| ORCH_SOFT_TIME_LIMIT      | 60 (seconds)                   |
+| ORCH_TIME_LIMIT           | 90 (seconds)                   |
+| ORCH_VISIBILITY_TIMEOUT   | 3600 (seconds; Redis redelivery) |
+| ORCH_CYCLE_INTERVAL       | 60 (seconds from a cycle's end to the next) |
+| ORCH_POLL_INTERVAL        | 5 (seconds between polls of a training job) |
+| ORCH_TRAINING_SECONDS     | 20 (how long a simulated training job runs) |
+| ORCH_TRAINING_FAILURE_RATE| 0.05 (share of simulated jobs that fail) |
+| ORCH_STEP_SECONDS         | 0.05 (simulated work inside each step) |
+"""
+
+from __future__ import annotations
+
+import os
+
+broker_url = os.environ.get("ORCH_BROKER_URL", "redis://127.0.0.1:6379/0")
+result_backend = os.environ.get("ORCH_RESULT_BACKEND", broker_url)
+result_expires = 3600
+broker_connection_retry_on_startup = True
+broker_transport_options = {
+    "visibility_timeout": float(os.environ.get("ORCH_VISIBILITY_TIMEOUT", "3600")),
+}
+
+task_default_queue = os.environ.get("ORCH_QUEUE", "pipelines")
+task_acks_late = True
+task_reject_on_worker_lost = True
+task_soft_time_limit = float(os.environ.get("ORCH_SOFT_TIME_LIMIT", "60"))
+task_time_limit = float(os.environ.get("ORCH_TIME_LIMIT", "90"))
+worker_prefetch_multiplier = 1
+worker_send_task_events = True
+task_send_sent_event = True
+
+pglock_dsn = os.environ.get("PGLOCK_DSN", "host=127.0.0.1 dbname=postgres")
+
+beat_schedule = {
+    "scan-due-tenants": {
+        "task": "tasks.pipeline.scan_due_tenants",
+        "schedule": float(os.environ.get("ORCH_SCAN_INTERVAL", "5")),
+    },
+}
+
+# The pipeline's clock (seconds) and the simulated training service.
+orchestrator_cycle_interval = float(os.environ.get("ORCH_CYCLE_INTERVAL", "60"))
+orchestrator_poll_interval = float(os.environ.get("ORCH_POLL_INTERVAL", "5"))
+orchestrator_training_seconds = float(os.environ.get("ORCH_TRAINING_SECONDS", "20"))
+orchestrator_training_failure_rate = float(os.environ.get("ORCH_TRAINING_FAILURE_RATE", "0.05"))
+orchestrator_step_seconds = float(os.environ.get("ORCH_STEP_SECONDS", "0.05"))

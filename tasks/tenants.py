@@ -1,0 +1,92 @@
+"""Adding and removing tenants.
+
+Onboarding is serial: every addition holds the shared ``onboarding`` lock
+(``lock_mode="wait"``). Removing a tenant takes that tenant's own pipeline
+lock, so it never cuts a running step short.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psycopg
+
+from pglock_celery import TenantLockedTask, current_lock, wait_lock
+
+from .celery_app import app
+from .schema import TENANT_ID_MAX
+
+ONBOARDING_LOCK = "onboarding"
+
+
+class TenantError(ValueError):
+    """A tenant id is invalid, already taken, or unknown."""
+
+
+def check_tenant_id(tenant_id: object) -> str:
+    """Return a valid tenant id or raise TenantError saying what is wrong."""
+    if not isinstance(tenant_id, str):
+        raise TenantError(f"tenant id must be a str, not {type(tenant_id).__name__}")
+    if not tenant_id.strip():
+        raise TenantError("tenant id is empty")
+    if len(tenant_id) > TENANT_ID_MAX:
+        raise TenantError(
+            f"tenant id {tenant_id[:20]!r}... is {len(tenant_id)} characters;"
+            f" the limit is {TENANT_ID_MAX}"
+        )
+    return tenant_id
+
+
+def insert_tenant(conn: psycopg.Connection, tenant_id: str) -> None:
+    """Insert a tenant and its pipeline row in one transaction, or change nothing."""
+    check_tenant_id(tenant_id)
+    with conn.transaction():
+        inserted = conn.execute(
+            "INSERT INTO tenants (tenant_id) VALUES (%s) ON CONFLICT DO NOTHING RETURNING 1",
+            (tenant_id,),
+        ).fetchone()
+        if inserted is None:
+            raise TenantError(f"tenant {tenant_id!r} already exists")
+        conn.execute("INSERT INTO pipelines (tenant_id) VALUES (%s)", (tenant_id,))
+
+
+def seed_tenants(dsn: str, tenant_ids: list[str]) -> None:
+    """Add tenants from outside a worker, under the same onboarding lock."""
+    with wait_lock(ONBOARDING_LOCK, dsn=dsn, timeout=60) as lock:
+        for tenant_id in tenant_ids:
+            insert_tenant(lock.connection, tenant_id)
+
+
+@app.task(base=TenantLockedTask, lock_name=ONBOARDING_LOCK, lock_mode="wait", lock_timeout=120)
+def onboard_tenant(tenant_id: str) -> str:
+    """Add one tenant, one onboarding at a time across every replica."""
+    lock = current_lock()
+    assert lock is not None
+    conn = lock.connection
+    started = conn.execute("SELECT clock_timestamp()").fetchone()
+    # Provisioning work (storage, credentials) would happen here.
+    conn.execute("SELECT pg_sleep(%s)", (app.conf.orchestrator_step_seconds,))
+    with conn.transaction():
+        insert_tenant(conn, tenant_id)
+        conn.execute(
+            "INSERT INTO onboarding_history (tenant_id, worker_pid, started_at, finished_at)"
+            " VALUES (%s, %s, %s, clock_timestamp())",
+            (tenant_id, os.getpid(), started[0] if started else None),
+        )
+    return tenant_id
+
+
+@app.task(
+    base=TenantLockedTask, lock_name="training:{tenant_id}", lock_mode="wait", lock_timeout=120
+)
+def remove_tenant(tenant_id: str) -> str:
+    """Delete a tenant and its pipeline once no step of it runs."""
+    lock = current_lock()
+    assert lock is not None
+    with lock.connection.transaction():
+        deleted = lock.connection.execute(
+            "DELETE FROM tenants WHERE tenant_id = %s RETURNING 1", (tenant_id,)
+        ).fetchone()
+    if deleted is None:
+        raise TenantError(f"no tenant {tenant_id!r} to remove")
+    return tenant_id

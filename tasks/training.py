@@ -1,0 +1,97 @@
+"""A simulated training service that lives outside the pipeline state.
+
+It has its own table and its own connections, as an external API would: the
+pipeline reaches it only through submit / poll / download, never through the
+lock's connection. Submission is idempotent on (tenant, run number, stage):
+repeating it returns the job already started instead of starting another.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import psycopg
+
+_connection: tuple[int, psycopg.Connection] | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    job_id: int
+    ready: bool
+    failed: bool
+    score: float
+
+
+def idempotency_key(tenant_id: str, run_number: int, stage: str) -> str:
+    return f"{tenant_id}/{run_number}/{stage}"
+
+
+def _conn(dsn: str) -> psycopg.Connection:
+    """This process's connection to the service, opened after fork."""
+    global _connection
+    if _connection is None or _connection[0] != os.getpid() or _connection[1].closed:
+        _connection = (os.getpid(), psycopg.connect(dsn, autocommit=True))
+    return _connection[1]
+
+
+def submit(
+    dsn: str,
+    tenant_id: str,
+    run_number: int,
+    *,
+    seconds: float,
+    failure_rate: float,
+) -> int:
+    """Start a training job, or return the one this key already started."""
+    key = idempotency_key(tenant_id, run_number, "train")
+    failed = random.random() < failure_rate
+    row = (
+        _conn(dsn)
+        .execute(
+            "INSERT INTO training_jobs"
+            " (idempotency_key, tenant_id, run_number, ready_at, failed, score)"
+            " VALUES (%s, %s, %s, clock_timestamp() + make_interval(secs => %s), %s, %s)"
+            " ON CONFLICT (idempotency_key) DO UPDATE SET tenant_id = EXCLUDED.tenant_id"
+            " RETURNING job_id",
+            (key, tenant_id, run_number, seconds, failed, round(random.uniform(0.5, 1.0), 4)),
+        )
+        .fetchone()
+    )
+    assert row is not None
+    return int(row[0])
+
+
+def poll(dsn: str, job_id: int) -> Job:
+    """Return the job's state; an unknown job id is an error."""
+    row = (
+        _conn(dsn)
+        .execute(
+            "SELECT job_id, ready_at <= clock_timestamp(), failed, score"
+            " FROM training_jobs WHERE job_id = %s",
+            (job_id,),
+        )
+        .fetchone()
+    )
+    if row is None:
+        raise LookupError(f"training service: no job {job_id}")
+    return Job(*row)
+
+
+def download(dsn: str, job_id: int) -> float:
+    """Fetch a finished job's results (the candidate model's score)."""
+    row = (
+        _conn(dsn)
+        .execute(
+            "UPDATE training_jobs SET downloads = downloads + 1"
+            " WHERE job_id = %s AND ready_at <= clock_timestamp() AND NOT failed"
+            " RETURNING score",
+            (job_id,),
+        )
+        .fetchone()
+    )
+    if row is None:
+        raise LookupError(f"training service: job {job_id} has no results to download")
+    return float(row[0])

@@ -1,0 +1,136 @@
+"""The live terminal view of `make run`: tenants, replicas, cycles."""
+
+from __future__ import annotations
+
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, Progress, TextColumn
+from rich.table import Table
+
+from .pipeline import SKIPS_KEY
+from .report import tenant_rows
+
+if TYPE_CHECKING:
+    import argparse
+
+    from celery import Celery
+
+    from .run import Fleet
+
+MAX_TENANT_ROWS = 25
+
+
+class View:
+    """Reads the database and Redis, and draws (or prints) what it sees."""
+
+    def __init__(
+        self, args: argparse.Namespace, crew: Fleet, dsn: str, app: Celery, started: float
+    ) -> None:
+        self.args = args
+        self.crew = crew
+        self.dsn = dsn
+        self.app = app
+        self.started = started
+        self.console = Console()
+        self.plain = args.plain or not self.console.is_terminal
+        self.live: Live | None = None
+        self.last_line = 0.0
+        self.progress = Progress(
+            TextColumn("cycles"), BarColumn(), TextColumn("{task.completed}/{task.total}")
+        )
+        self.bar = self.progress.add_task("cycles", total=args.tenants * max(args.cycles, 1))
+
+    def __enter__(self) -> View:
+        if not self.plain:
+            self.live = Live(console=self.console, refresh_per_second=2)
+            self.live.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.live is not None:
+            self.live.__exit__(exc_type, exc, tb)
+
+    def refresh(self) -> int:
+        """Redraw; return the fewest cycles any tenant has completed."""
+        with psycopg.connect(self.dsn) as conn:
+            tenants = tenant_rows(conn)
+            steps = dict(
+                conn.execute("SELECT worker, count(*) FROM step_history GROUP BY worker").fetchall()
+            )
+        skips = {
+            key.decode(): int(value)
+            for key, value in self.app.backend.client.hgetall(SKIPS_KEY).items()
+        }
+        fewest = min((t.completed_cycles for t in tenants), default=0)
+        target = max(self.args.cycles, 1)
+        done = sum(min(t.completed_cycles, target) for t in tenants)
+        self.progress.update(self.bar, completed=done)
+        if self.plain:
+            if time.monotonic() - self.last_line >= 5:
+                self.last_line = time.monotonic()
+                stages: dict[str, int] = {}
+                for t in tenants:
+                    stages[t.stage] = stages.get(t.stage, 0) + 1
+                print(
+                    f"[{time.monotonic() - self.started:6.1f} s] cycles {done}/"
+                    f"{self.args.tenants * target} stages {stages} steps {sum(steps.values())}"
+                    f" skips {sum(skips.values())} kills {self.crew.kills}",
+                    flush=True,
+                )
+        elif self.live is not None:
+            self.live.update(
+                Group(self._tenants(tenants), self._replicas(steps, skips), self.progress)
+            )
+        return fewest
+
+    def _tenants(self, tenants: list[Any]) -> Table:
+        table = Table(title="tenants", expand=False)
+        for column in ("tenant", "stage", "run", "cycles", "model", "held by", "last error"):
+            table.add_column(column)
+        for t in tenants[:MAX_TENANT_ROWS]:
+            pid = int(t.holder.split("@")[0]) if t.holder else None
+            holder = self.crew.replica_of(pid) or t.holder or ""
+            table.add_row(
+                t.tenant_id,
+                t.stage,
+                str(t.run_number),
+                str(t.completed_cycles),
+                f"v{t.model_version}",
+                holder,
+                (t.last_error or "")[:40],
+            )
+        if len(tenants) > MAX_TENANT_ROWS:
+            table.caption = f"and {len(tenants) - MAX_TENANT_ROWS} more"
+        return table
+
+    def _replicas(self, steps: dict[str, int], skips: dict[str, int]) -> Table:
+        table = Table(title=f"replicas (chaos kills: {self.crew.kills})")
+        for column in ("replica", "pid", "state", "steps run", "skips", "starts"):
+            table.add_column(column)
+        for replica in self.crew.replicas:
+            node = next(
+                (n for n in steps.keys() | skips.keys() if n.startswith(replica.name + "@")), ""
+            )
+            table.add_row(
+                replica.name,
+                str(replica.pid or ""),
+                "up" if replica.alive() else "down",
+                str(steps.get(node, 0)),
+                str(skips.get(node, 0)),
+                str(replica.starts),
+            )
+        return table
+
+
+def make_view(args: argparse.Namespace, crew: Fleet, dsn: str, app: Celery, started: float) -> View:
+    return View(args, crew, dsn, app, started)
