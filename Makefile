@@ -1,16 +1,21 @@
-# make test: the whole set-up from a fresh machine (venv, install, services) and the suite.
+# make run: the orchestrator; make test: the suite. Each does its whole set-up from a fresh
+# machine (venv, install, services found or started).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test lint unit integration chaos clean
+.PHONY: run test lint unit integration chaos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[run,test]'
 	touch $(STAMP)
+
+# Options: make run ARGS="--tenants 20 --replicas 3 --duration 60 --fast --chaos"
+run: $(STAMP)
+	$(PY) -m tasks.run $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

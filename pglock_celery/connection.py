@@ -11,10 +11,12 @@ would end a session holding a lock between statements.
 
 from __future__ import annotations
 
+import base64
 import math
 import os
 import re
 import socket
+import uuid
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -58,15 +60,39 @@ def describe_target(dsn: str) -> str:
     return f"{where}/{dbname}" if dbname else where
 
 
+def compact_task_id(task_id: str | None) -> str:
+    """Return a UUID task id in 23 characters (``~`` + base64url), others as they are."""
+    if not task_id:
+        return "-"
+    try:
+        raw = uuid.UUID(task_id).bytes
+    except ValueError:
+        return task_id
+    return "~" + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def expand_task_id(field: str) -> str | None:
+    """Undo :func:`compact_task_id`."""
+    if field in ("", "-"):
+        return None
+    if field.startswith("~") and len(field) == 23:
+        try:
+            return str(uuid.UUID(bytes=base64.urlsafe_b64decode(field[1:] + "==")))
+        except ValueError:
+            return field
+    return field
+
+
 def application_name(prefix: str, lock: str, task_id: str | None, host: str | None = None) -> str:
     """Return the application_name that identifies a lock session's holder.
 
-    Fields by importance, so truncation to 63 bytes cuts the least useful
-    first: ``prefix|lock|task id|pid@host``. The lock name may itself contain
-    the separator; readers check a candidate name against the lock's key.
+    Fields by importance, so the 63-byte cut drops the least useful first:
+    ``prefix|lock|pid|task id|host``, the task id compacted when it is a UUID.
+    The lock name may itself contain the separator; readers check a candidate
+    name against the lock's key.
     """
     host = host if host is not None else socket.gethostname()
-    fields = [prefix, lock, task_id or "-", f"{os.getpid()}@{host}"]
+    fields = [prefix, lock, str(os.getpid()), compact_task_id(task_id), host]
     encoded = FIELD_SEPARATOR.join(fields).encode()
     # Cut on a character boundary: Postgres would cut bytes blindly.
     return encoded[:APPLICATION_NAME_MAX_BYTES].decode(errors="ignore")

@@ -8,7 +8,7 @@ from typing import Any
 
 import psycopg
 
-from .connection import APPLICATION_NAME_MAX_BYTES, FIELD_SEPARATOR
+from .connection import APPLICATION_NAME_MAX_BYTES, FIELD_SEPARATOR, expand_task_id
 from .keys import key_to_lock_fields, lock_fields_to_key, lock_key
 
 # Advisory locks are per database; a bigint key shows as classid/objid with
@@ -57,28 +57,27 @@ def parse_application_name(
 
     Returns ``(name, name_truncated, task_id, worker_pid, worker_host)``. The
     name is accepted only when it hashes to ``key``; a name cut by the 63-byte
-    limit comes back as the prefix that survived, with ``name_truncated``.
+    limit comes back as the prefix that survived, with ``name_truncated``, and
+    a field the cut may have shortened is dropped rather than shown wrong.
     Sessions not opened by pglock (another prefix, hand-rolled code) yield
     ``(None, False, None, None, None)``.
     """
     fields = app_name.split(FIELD_SEPARATOR)
     if len(fields) < 2 or (prefix is not None and fields[0] != prefix):
         return None, False, None, None, None
+    maybe_cut = len(app_name.encode()) > APPLICATION_NAME_MAX_BYTES - 4
     # The name may contain the separator: find how many fields it spans.
     for end in range(2, len(fields) + 1):
         candidate = FIELD_SEPARATOR.join(fields[1:end])
         if lock_key(candidate) == key:
             rest = fields[end:]
-            task_id = rest[0] if rest and rest[0] != "-" else None
-            pid, host = None, None
-            if len(rest) > 1:
-                pid_text, _, host_text = rest[1].partition("@")
-                pid = int(pid_text) if pid_text.isdigit() else None
-                host = host_text or None
+            if maybe_cut and rest:
+                rest = rest[:-1]
+            pid = int(rest[0]) if rest and rest[0].isdigit() else None
+            task_id = expand_task_id(rest[1]) if len(rest) > 1 else None
+            host = rest[2] or None if len(rest) > 2 else None
             return candidate, False, task_id, pid, host
-    # Cut within the name: what survived is a prefix of it (4 bytes of slack
-    # for a multi-byte character dropped at the cut).
-    if len(app_name.encode()) > APPLICATION_NAME_MAX_BYTES - 4:
+    if maybe_cut:
         return FIELD_SEPARATOR.join(fields[1:]), True, None, None, None
     return None, False, None, None, None
 

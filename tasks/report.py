@@ -84,16 +84,15 @@ class TenantRow:
     completed_cycles: int
     model_version: int
     last_error: str | None
-    holder: str | None
+    #: pid of the worker process that holds the tenant's lock now, if any.
+    holder_pid: int | None
 
 
 def tenant_rows(conn: psycopg.Connection) -> list[TenantRow]:
     """Each tenant's pipeline and who holds its lock right now."""
-    holders = {
-        h.name: f"{h.worker_pid}@{h.worker_host}" for h in list_holders(conn) if h.name is not None
-    }
+    holders = {h.name: h.worker_pid for h in list_holders(conn) if h.name is not None}
     rows = conn.execute(
         "SELECT tenant_id, stage, run_number, completed_cycles, model_version, last_error"
         " FROM pipelines ORDER BY tenant_id"
     ).fetchall()
-    return [TenantRow(*row, holder=holders.get(f"training:{row[0]}")) for row in rows]
+    return [TenantRow(*row, holder_pid=holders.get(f"training:{row[0]}")) for row in rows]

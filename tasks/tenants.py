@@ -51,10 +51,11 @@ def insert_tenant(conn: psycopg.Connection, tenant_id: str) -> None:
 
 
 def seed_tenants(dsn: str, tenant_ids: list[str]) -> None:
-    """Add tenants from outside a worker, under the same onboarding lock."""
+    """Add tenants from outside a worker, under the same onboarding lock: all or none."""
     with wait_lock(ONBOARDING_LOCK, dsn=dsn, timeout=60) as lock:
-        for tenant_id in tenant_ids:
-            insert_tenant(lock.connection, tenant_id)
+        with lock.connection.transaction():
+            for tenant_id in tenant_ids:
+                insert_tenant(lock.connection, tenant_id)
 
 
 @app.task(base=TenantLockedTask, lock_name=ONBOARDING_LOCK, lock_mode="wait", lock_timeout=120)

@@ -98,8 +98,7 @@ class View:
         for column in ("tenant", "stage", "run", "cycles", "model", "held by", "last error"):
             table.add_column(column)
         for t in tenants[:MAX_TENANT_ROWS]:
-            pid = int(t.holder.split("@")[0]) if t.holder else None
-            holder = self.crew.replica_of(pid) or t.holder or ""
+            holder = self.crew.replica_of(t.holder_pid) or str(t.holder_pid or "")
             table.add_row(
                 t.tenant_id,
                 t.stage,

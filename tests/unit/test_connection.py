@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import uuid
+
 import pytest
 
 from pglock_celery import ConfigurationError
@@ -9,22 +12,35 @@ from pglock_celery.config import PglockConfig
 from pglock_celery.connection import (
     APPLICATION_NAME_MAX_BYTES,
     application_name,
+    compact_task_id,
     connect_kwargs,
     describe_target,
+    expand_task_id,
     redact,
 )
 
 
-def test_application_name_carries_lock_task_pid_and_host() -> None:
+def test_application_name_carries_lock_pid_task_and_host() -> None:
     name = application_name("pglock", "tenant:42", "abc", host="w1")
-    prefix, lock, task, where = name.split("|")
-    assert (prefix, lock, task) == ("pglock", "tenant:42", "abc")
-    pid, host = where.split("@")
-    assert pid.isdigit() and host == "w1"
+    assert name == f"pglock|tenant:42|{os.getpid()}|abc|w1"
 
 
 def test_application_name_marks_a_missing_task_id() -> None:
-    assert application_name("pglock", "n", None, host="h").split("|")[2] == "-"
+    assert application_name("pglock", "n", None, host="h").split("|")[3] == "-"
+
+
+def test_uuid_task_ids_are_compacted_and_restored() -> None:
+    task_id = str(uuid.uuid4())
+    compact = compact_task_id(task_id)
+    assert len(compact) == 23 and compact.startswith("~")
+    assert expand_task_id(compact) == task_id
+    assert expand_task_id(compact_task_id("custom-id")) == "custom-id"
+
+
+def test_a_typical_tenant_lock_keeps_name_pid_and_task_id_within_63_bytes() -> None:
+    name = application_name("pglock", "training:tenant-001", str(uuid.uuid4()), host="h")
+    assert len(name.encode()) <= APPLICATION_NAME_MAX_BYTES
+    assert name.split("|")[4] == "h"
 
 
 def test_long_application_name_is_cut_to_63_bytes_on_a_character_boundary() -> None:

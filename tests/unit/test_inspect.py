@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import os
+import uuid
+
 from pglock_celery import lock_key
 from pglock_celery.connection import application_name
 from pglock_celery.inspect import parse_application_name
 
 
 def test_full_application_name_gives_every_field() -> None:
-    app_name = application_name("pglock", "tenant:42", "task-1", host="w1")
-    name, truncated, task_id, pid, host = parse_application_name(app_name, lock_key("tenant:42"))
-    assert (name, truncated, task_id, host) == ("tenant:42", False, "task-1", "w1")
-    assert isinstance(pid, int)
+    task = str(uuid.uuid4())
+    app_name = application_name("pglock", "tenant:42", task, host="w1")
+    parsed = parse_application_name(app_name, lock_key("tenant:42"))
+    assert parsed == ("tenant:42", False, task, os.getpid(), "w1")
+
+
+def test_a_field_the_cut_may_have_shortened_is_dropped() -> None:
+    name = "training:" + "t" * 20
+    app_name = application_name("pglock", name, str(uuid.uuid4()), host="a-long-host-name")
+    parsed = parse_application_name(app_name, lock_key(name))
+    assert parsed[0] == name and parsed[3] == os.getpid()
+    assert parsed[4] is None  # the host was cut: better unknown than wrong
 
 
 def test_a_name_holding_the_separator_is_recovered_by_its_key() -> None:
