@@ -11,6 +11,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[run,test]'
+	@# PgBouncer, for the doctor's pooler test: from Debian's packages when we may install.
+	@command -v pgbouncer >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
+		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer) \
+		|| echo "pgbouncer could not be installed: the doctor's pooler test will fail"
 	touch $(STAMP)
 
 # Options: make run ARGS="--tenants 20 --replicas 3 --duration 60 --fast --chaos"

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from celery import Task
+from celery import Task, signals
 
 from .config import PglockConfig, get_config
 from .exceptions import (
@@ -34,6 +34,17 @@ LOCK_SKIPPED_EVENT = "task-lock-skipped"
 
 SKIP, WAIT, RETRY = "skip", "wait", "retry"
 LOCK_MODES = (SKIP, WAIT, RETRY)
+
+
+@signals.celeryd_init.connect
+def _events_flag_to_conf(conf: Any = None, options: Any = None, **_: Any) -> None:
+    """Make ``celery worker -E`` visible to tasks as ``worker_send_task_events``.
+
+    The flag only reaches the worker's own event dispatcher; skip events are
+    sent from the task, which reads the setting (inherited by pool children).
+    """
+    if conf is not None and options and options.get("task_events"):
+        conf.worker_send_task_events = True
 
 
 class TenantLockedTask(Task):  # type: ignore[type-arg]

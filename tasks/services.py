@@ -106,7 +106,13 @@ class EmbeddedPostgres:
 
     @property
     def dsn(self) -> str:
+        """Over TCP: what clients use (a password too, if the cluster wants one)."""
         return f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres"
+
+    @property
+    def socket_dsn(self) -> str:
+        """Over the Unix socket, always trusted: for readiness and administration."""
+        return f"host={self.sockets} port={self.port} user=postgres dbname=postgres"
 
     def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         kwargs: dict[str, object] = {}
@@ -116,7 +122,8 @@ class EmbeddedPostgres:
             args, check=check, capture_output=True, text=True, cwd=self.base, **kwargs
         )
 
-    def init(self, *settings: str) -> None:
+    def init(self, *settings: str, password: str | None = None) -> None:
+        """Create the cluster; with ``password``, TCP logins need it (SCRAM)."""
         self.base.mkdir(parents=True, exist_ok=True)
         self.sockets.mkdir(exist_ok=True)
         if self.user is not None:
@@ -127,9 +134,16 @@ class EmbeddedPostgres:
                 if parent == Path("/"):
                     break
                 parent.chmod(parent.stat().st_mode | 0o011)
+        auth = ["--auth=trust"]
+        if password is not None:
+            pwfile = self.base / "pwfile"
+            pwfile.write_text(password + "\n")
+            if self.user is not None:
+                os.chown(pwfile, self.user.pw_uid, self.user.pw_gid)
+            auth = ["--auth-local=trust", "--auth-host=scram-sha-256", f"--pwfile={pwfile}"]
         self._run(
             str(self.bindir / "initdb"), "-D", str(self.data), "-U", "postgres",
-            "--auth=trust", "--no-sync", "-E", "UTF8",
+            *auth, "--no-sync", "-E", "UTF8",
         )  # fmt: skip
         with (self.data / "postgresql.conf").open("a") as conf:
             conf.write(
@@ -140,12 +154,28 @@ class EmbeddedPostgres:
             for line in settings:
                 conf.write(line + "\n")
 
+    def standby(self, base: Path) -> EmbeddedPostgres:
+        """A streaming standby of this server (needs wal_level replica, the default)."""
+        replica = EmbeddedPostgres(base)
+        replica.base.mkdir(parents=True, exist_ok=True)
+        replica.sockets.mkdir(exist_ok=True)
+        if replica.user is not None:
+            for path in (replica.base, replica.sockets):
+                os.chown(path, replica.user.pw_uid, replica.user.pw_gid)
+        replica._run(
+            str(self.bindir / "pg_basebackup"), "-D", str(replica.data), "-R",
+            "-h", str(self.sockets), "-p", str(self.port), "-U", "postgres", "--no-sync",
+        )  # fmt: skip
+        with (replica.data / "postgresql.conf").open("a") as conf:
+            conf.write(f"port = {replica.port}\nunix_socket_directories = '{replica.sockets}'\n")
+        return replica
+
     def start(self) -> None:
         self._run(
             str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.log),
             "-w", "-t", "60", "start",
         )  # fmt: skip
-        wait_until(lambda: postgres_answers(self.dsn), 30, "embedded Postgres")
+        wait_until(lambda: postgres_answers(self.socket_dsn), 30, "embedded Postgres")
 
     def stop(self, mode: str = "fast") -> None:
         self._run(

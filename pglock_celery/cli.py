@@ -1,0 +1,182 @@
+"""The pglock-celery command: who holds which lock, a key for a name, a doctor.
+
+Exit codes: 0 fine, 1 the doctor found something that makes the locks unsafe,
+2 bad input or a database that cannot be reached (one line on stderr, never a
+traceback or a password).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from .connection import describe_target, redact
+from .doctor import run_checks
+from .exceptions import PglockError
+from .inspect import Holder, list_holders
+from .keys import lock_key
+
+CLI_APPLICATION_NAME = "pglock-celery-cli"
+
+
+class UsageError(Exception):
+    """Bad input: reported on one line with exit code 2."""
+
+
+def _dsn(args: argparse.Namespace) -> str:
+    dsn = args.dsn or os.environ.get("PGLOCK_DSN")
+    if not dsn:
+        raise UsageError("no database: pass --dsn or set PGLOCK_DSN")
+    try:
+        conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        raise UsageError(f"malformed DSN: {redact(str(exc), dsn)}") from None
+    return dsn
+
+
+def connect(dsn: str, timeout: int = 5) -> psycopg.Connection:
+    """A short-lived inspection session (never a lock session)."""
+    try:
+        return psycopg.connect(
+            dsn, autocommit=True, connect_timeout=timeout, application_name=CLI_APPLICATION_NAME
+        )
+    except psycopg.Error as exc:
+        reason = " ".join(str(exc).split())
+        raise UsageError(
+            f"cannot connect to {describe_target(dsn)}: {redact(reason, dsn)}"
+        ) from None
+
+
+def _age(since: str | None, now: dt.datetime) -> str:
+    if since is None:
+        return ""
+    seconds = int((now - dt.datetime.fromisoformat(since)).total_seconds())
+    hours, rest = divmod(max(seconds, 0), 3600)
+    return (
+        f"{hours}h{rest // 60:02d}m{rest % 60:02d}s" if hours else f"{rest // 60}m{rest % 60:02d}s"
+    )
+
+
+def _shown_name(holder: Holder) -> str:
+    if holder.name is None:
+        return "-"
+    return holder.name + ("…" if holder.name_truncated else "")
+
+
+def cmd_locks(args: argparse.Namespace) -> int:
+    dsn = _dsn(args)
+    with connect(dsn) as conn:
+        now = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+        holders = [
+            h
+            for h in list_holders(conn)
+            if not args.prefix or (h.name or "").startswith(args.prefix)
+        ]
+    if args.json:
+        rows = [{**h.as_dict(), "held_for": _age(h.backend_start, now)} for h in holders]
+        print(json.dumps(rows, indent=2))
+        return 0
+    columns = ("LOCK", "KEY", "HOST", "PID", "TASK ID", "CLIENT", "HELD SINCE", "FOR", "STATE")
+    table = [
+        (
+            _shown_name(h),
+            str(h.key),
+            h.worker_host or "",
+            str(h.worker_pid or ""),
+            h.task_id or "",
+            h.client_addr or "local",
+            (h.backend_start or "")[:19].replace("T", " "),
+            _age(h.backend_start, now),
+            h.state or "",
+        )
+        for h in holders
+    ]
+    widths = [max(len(row[i]) for row in [columns, *table]) for i in range(len(columns))]
+    for row in [columns, *table]:
+        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        print("  ".join(cells).rstrip())
+    print(f"{len(holders)} advisory lock(s) held")
+    return 0
+
+
+def cmd_key(args: argparse.Namespace) -> int:
+    from .keys import key_to_lock_fields
+
+    key = lock_key(args.name)
+    classid, objid = key_to_lock_fields(key)
+    print(key)
+    if args.verbose:
+        print(f"pg_locks: classid = {classid} AND objid = {objid} AND objsubid = 1")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    dsn = _dsn(args)
+    with connect(dsn):
+        pass  # unreachable, refused, bad password: one line and exit 2
+    findings = run_checks(dsn, lock_sessions=args.lock_sessions)
+    if args.json:
+        print(json.dumps([f.as_dict() for f in findings], indent=2))
+    else:
+        for finding in findings:
+            print(finding.line())
+    failed = [f for f in findings if f.level == "fail"]
+    if not args.json:
+        print(f"{len(failed)} problem(s) found" if failed else "no problem found")
+    return 1 if failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pglock-celery", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    locks = commands.add_parser("locks", help="every advisory lock held, with its holder")
+    locks.add_argument("--dsn", help="the database (default: PGLOCK_DSN)")
+    locks.add_argument("--json", action="store_true", help="JSON for scripts")
+    locks.add_argument("--prefix", default="", help="only lock names starting with this")
+    locks.set_defaults(run=cmd_locks)
+
+    key = commands.add_parser("key", help="the advisory lock key of a name")
+    key.add_argument("name")
+    key.add_argument("-v", "--verbose", action="store_true", help="also the pg_locks fields")
+    key.set_defaults(run=cmd_key)
+
+    doctor = commands.add_parser("doctor", help="is this database set up for safe locks?")
+    doctor.add_argument("--dsn", help="the database (default: PGLOCK_DSN)")
+    doctor.add_argument("--json", action="store_true", help="JSON for scripts")
+    doctor.add_argument(
+        "--lock-sessions",
+        type=int,
+        default=0,
+        help="lock sessions the fleet may open at once (worker processes x concurrency)",
+    )
+    doctor.set_defaults(run=cmd_doctor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result: int = args.run(args)
+        return result
+    except (UsageError, PglockError) as exc:
+        print(f"pglock-celery: error: {exc}", file=sys.stderr)
+        return 2
+    except psycopg.Error as exc:
+        dsn = getattr(args, "dsn", None) or os.environ.get("PGLOCK_DSN")
+        print(f"pglock-celery: error: {redact(' '.join(str(exc).split()), dsn)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Checks that a database is set up so that advisory locks on it are safe and fast.
+
+Each check yields a Finding: ``ok``, ``warn`` (worth knowing, not unsafe for
+pglock's own sessions) or ``fail`` (locks are unsafe or unusable: fix first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import psycopg
+
+from .config import PglockConfig
+from .connection import application_name, open_session
+from .exceptions import LockUnavailable
+
+MIN_SERVER_VERSION = 140000
+#: Server keepalives slower than this (seconds) leave other sessions' locks
+#: stranded for long after a partition.
+KEEPALIVE_BOUND_WARN = 300
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    level: str  # "ok", "warn" or "fail"
+    message: str
+    fix: str = ""
+
+    def line(self) -> str:
+        mark = {"ok": "[ok]  ", "warn": "[warn]", "fail": "[FAIL]"}[self.level]
+        text = f"{mark} {self.check}: {self.message}"
+        return f"{text}\n         fix: {self.fix}" if self.fix else text
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def _show(conn: psycopg.Connection, name: str) -> str:
+    row = conn.execute("SELECT current_setting(%s)", (name,)).fetchone()
+    return str(row[0]) if row else ""
+
+
+def _one(conn: psycopg.Connection, query: str) -> object:
+    row = conn.execute(query).fetchone()
+    return row[0] if row else None
+
+
+def _over_tcp(conn: psycopg.Connection) -> bool:
+    return not conn.info.host.startswith("/")
+
+
+def check_lock_session(dsn: str) -> Iterator[Finding]:
+    """Open a real lock session: the settings it asks for must hold."""
+    config = PglockConfig(dsn=dsn)
+    try:
+        conn = open_session(config, application_name("pglock", "doctor-probe", None))
+    except LockUnavailable as exc:
+        yield Finding(
+            "lock session",
+            "fail",
+            str(exc),
+            "connect lock sessions straight to the primary (no transaction-mode pooler: "
+            "it refuses the session settings and splits a session across backends)",
+        )
+        return
+    with conn:
+        wrong = []
+        if _show(conn, "idle_session_timeout") != "0":
+            wrong.append("idle_session_timeout")
+        if _over_tcp(conn) and _show(conn, "tcp_keepalives_idle") != str(
+            config.server_keepalives_idle
+        ):
+            wrong.append("tcp_keepalives_idle")
+        if wrong:
+            yield Finding(
+                "lock session",
+                "fail",
+                f"the lock session's own settings did not take: {', '.join(wrong)}",
+                "make sure nothing between client and server drops the startup 'options'",
+            )
+        else:
+            yield Finding("lock session", "ok", "opens read-write with its own safety settings")
+
+
+def check_version(conn: psycopg.Connection) -> Iterator[Finding]:
+    number = int(_show(conn, "server_version_num"))
+    version = _show(conn, "server_version")
+    if number < MIN_SERVER_VERSION:
+        yield Finding(
+            "version",
+            "fail",
+            f"PostgreSQL {version}: client_connection_check_interval needs 14 or newer",
+            "upgrade to PostgreSQL 14+",
+        )
+    else:
+        yield Finding("version", "ok", f"PostgreSQL {version}")
+
+
+def check_standby(conn: psycopg.Connection) -> Iterator[Finding]:
+    if _one(conn, "SELECT pg_is_in_recovery()"):
+        yield Finding(
+            "standby",
+            "fail",
+            "the server is a standby (in recovery): a lock there excludes nobody on the primary",
+            "point pglock_dsn at the primary (lock sessions use target_session_attrs=read-write)",
+        )
+    else:
+        yield Finding("standby", "ok", "the server is a primary")
+
+
+def check_pooler(conn: psycopg.Connection, dsn: str) -> Iterator[Finding]:
+    """A session must keep its backend across transactions, even under load."""
+    first = _one(conn, "SELECT pg_backend_pid()")
+    conn.execute("SELECT set_config('application_name', 'pglock-doctor-probe', false)")
+    with psycopg.connect(dsn, connect_timeout=5) as busy:
+        # Hold a server connection in a transaction, so that a transaction
+        # pooler would have to hand our next transaction another backend.
+        busy.execute("SELECT pg_backend_pid()")
+        second = _one(conn, "SELECT pg_backend_pid()")
+        name = _show(conn, "application_name")
+    if first != second or name != "pglock-doctor-probe":
+        yield Finding(
+            "pooler",
+            "fail",
+            "a session does not keep its backend across transactions: a transaction-mode "
+            "pooler (PgBouncer?) sits between client and server",
+            "give lock sessions a direct connection or a session-mode pool",
+        )
+    else:
+        yield Finding("pooler", "ok", "sessions keep their backend (no transaction pooler)")
+
+
+def check_idle_timeouts(conn: psycopg.Connection) -> Iterator[Finding]:
+    value = _show(conn, "idle_session_timeout")
+    if value != "0":
+        yield Finding(
+            "idle_session_timeout",
+            "fail",
+            f"idle_session_timeout = {value}: idle sessions are ended and their locks dropped; "
+            "pglock's sessions turn it off for themselves, hand-rolled lock code does not",
+            "ALTER ROLE <lock role> SET idle_session_timeout = 0",
+        )
+    else:
+        yield Finding("idle_session_timeout", "ok", "idle sessions are not ended")
+
+
+def check_keepalives(conn: psycopg.Connection) -> Iterator[Finding]:
+    if not _over_tcp(conn):
+        yield Finding("keepalives", "ok", "Unix socket: no network partition to bound")
+        return
+    idle, interval, count = (
+        int(_show(conn, f"tcp_keepalives_{name}")) for name in ("idle", "interval", "count")
+    )
+    bound = idle + interval * count
+    if bound > KEEPALIVE_BOUND_WARN:
+        yield Finding(
+            "keepalives",
+            "warn",
+            f"server keepalives notice a cut-off client after about {bound} s (the OS "
+            "defaults: 2 h 11 min); pglock's lock sessions set their own bound, other "
+            "sessions do not",
+            "ALTER SYSTEM SET tcp_keepalives_idle = 5; tcp_keepalives_interval = 2; "
+            "tcp_keepalives_count = 5; tcp_user_timeout = 15000",
+        )
+    else:
+        yield Finding("keepalives", "ok", f"server keepalives notice a cut-off client in {bound} s")
+
+
+def check_connections(conn: psycopg.Connection, lock_sessions: int) -> Iterator[Finding]:
+    row = conn.execute(
+        "SELECT current_setting('max_connections')::int,"
+        " current_setting('superuser_reserved_connections')::int,"
+        " (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')"
+    ).fetchone()
+    assert row is not None
+    limit, reserved, used = (int(value) for value in row)
+    headroom = limit - reserved - used
+    figures = f"max_connections {limit}, {reserved} reserved, {used} in use: {headroom} free"
+    if lock_sessions and lock_sessions > headroom:
+        yield Finding(
+            "connections",
+            "fail",
+            f"{figures}, fewer than the {lock_sessions} lock sessions the fleet may open",
+            "raise max_connections, or lower worker concurrency",
+        )
+    elif headroom < 10:
+        yield Finding("connections", "warn", figures, "raise max_connections")
+    else:
+        yield Finding("connections", "ok", figures)
+
+
+def check_privileges(conn: psycopg.Connection) -> Iterator[Finding]:
+    can_lock = _one(
+        conn, "SELECT has_function_privilege('pg_try_advisory_lock(bigint)', 'EXECUTE')"
+    )
+    if not can_lock:
+        yield Finding(
+            "privileges",
+            "fail",
+            "this role may not call pg_try_advisory_lock(bigint)",
+            "GRANT EXECUTE ON FUNCTION pg_try_advisory_lock(bigint) TO <lock role>",
+        )
+        return
+    sees_all = _one(
+        conn,
+        "SELECT rolsuper OR pg_has_role(current_user, 'pg_read_all_stats', 'MEMBER')"
+        " FROM pg_roles WHERE rolname = current_user",
+    )
+    if not sees_all:
+        yield Finding(
+            "privileges",
+            "warn",
+            "this role cannot see other roles' client addresses in pg_stat_activity",
+            "GRANT pg_read_all_stats TO <inspecting role>",
+        )
+    else:
+        yield Finding("privileges", "ok", "may take advisory locks and see every holder")
+
+
+def run_checks(dsn: str, *, lock_sessions: int = 0) -> list[Finding]:
+    """Run every check against ``dsn`` and return the findings in order."""
+    findings = list(check_lock_session(dsn))
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+        checks: list[Callable[[], Iterator[Finding]]] = [
+            lambda: check_version(conn),
+            lambda: check_standby(conn),
+            lambda: check_pooler(conn, dsn),
+            lambda: check_idle_timeouts(conn),
+            lambda: check_keepalives(conn),
+            lambda: check_connections(conn, lock_sessions),
+            lambda: check_privileges(conn),
+        ]
+        for check in checks:
+            findings.extend(check())
+    return findings

@@ -1,0 +1,215 @@
+"""The pglock-celery command against real servers and real workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from pglock_celery import lock_key, try_lock
+from tests.apps import core
+from tests.helpers.history import Run, read_history
+from tests.helpers.services import EmbeddedPostgres, free_port, wait_until
+from tests.helpers.workers import Worker
+
+PASSWORD = "cli-s3cret"
+
+
+def cli(*args: str, dsn: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PGLOCK_DSN"}
+    if dsn is not None:
+        env["PGLOCK_DSN"] = dsn
+    return subprocess.run(
+        [sys.executable, "-m", "pglock_celery.cli", *args],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_key_prints_the_seed_compatible_key() -> None:
+    done = cli("key", "tenant:42")
+    assert done.returncode == 0
+    assert done.stdout.strip() == str(lock_key("tenant:42")) == "-8502700072172048958"
+
+
+def test_locks_lists_real_holders_with_name_key_task_and_pid(
+    workers: list[Worker], history: str, pg_dsn: str, run_id: str
+) -> None:
+    short = f"{run_id}-cli"
+    long = f"{run_id}-" + "x" * 60  # its application_name is cut at 63 bytes
+    calls = {tenant: core.step.delay(tenant, history, 4) for tenant in (short, long)}
+
+    def both_started() -> list[Run] | None:
+        rows = read_history(pg_dsn, history)
+        return rows if len(rows) == 2 else None
+
+    runs = wait_until(both_started, 30, "both steps to hold their locks")
+    pids = {run.lock_name: run.worker_pid for run in runs}
+    with try_lock(-12345, dsn=pg_dsn) as negative:
+        assert negative.acquired
+        done = cli("locks", "--json", dsn=pg_dsn)
+        table = cli("locks", "--prefix", f"tenant:{run_id}", dsn=pg_dsn)
+    assert done.returncode == 0, done.stderr
+    by_key = {row["key"]: row for row in json.loads(done.stdout)}
+    whole = by_key[lock_key(f"tenant:{short}")]
+    assert whole["name"] == f"tenant:{short}" and not whole["name_truncated"]
+    assert whole["task_id"] == calls[short].id
+    assert whole["worker_pid"] == pids[f"tenant:{short}"]
+    cut = by_key[lock_key(f"tenant:{long}")]
+    assert cut["name_truncated"] and f"tenant:{long}".startswith(cut["name"])
+    assert by_key[-12345]["name"] is None
+    print("\n" + table.stdout)
+    assert f"tenant:{short}" in table.stdout and "…" in table.stdout
+    assert "-12345" not in table.stdout  # filtered out by --prefix
+    for call in calls.values():
+        assert call.get(timeout=30)["ran"]
+
+
+def test_doctor_passes_on_the_local_server(pg_dsn: str) -> None:
+    done = cli("doctor", dsn=pg_dsn)
+    print("\n" + done.stdout)
+    assert done.returncode == 0, done.stdout
+    assert "[FAIL]" not in done.stdout
+
+
+@pytest.fixture
+def role_with_idle_timeout(pg_dsn: str, run_id: str) -> Iterator[str]:
+    role = f"pglock_idle_{run_id}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+        conn.execute(f"ALTER ROLE {role} SET idle_session_timeout = '30s'")
+    params = psycopg.conninfo.conninfo_to_dict(pg_dsn)
+    yield psycopg.conninfo.make_conninfo(**{**params, "user": role})  # type: ignore[arg-type]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP ROLE {role}")
+
+
+def test_doctor_fails_on_idle_session_timeout_for_the_role(role_with_idle_timeout: str) -> None:
+    done = cli("doctor", dsn=role_with_idle_timeout)
+    print("\n" + done.stdout)
+    assert done.returncode == 1
+    assert "[FAIL] idle_session_timeout: idle_session_timeout = 30s" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def primary(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedPostgres]:
+    """A throwaway server that wants a password over TCP."""
+    server = EmbeddedPostgres(tmp_path_factory.mktemp("primary"))
+    server.init(password=PASSWORD)
+    server.start()
+    yield server
+    server.destroy()
+
+
+def test_doctor_fails_on_a_standby(
+    primary: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    standby = primary.standby(tmp_path_factory.mktemp("standby"))
+    standby.start()
+    try:
+        done = cli("doctor", dsn=f"{standby.dsn} password={PASSWORD}")
+    finally:
+        standby.destroy()
+    print("\n" + done.stdout)
+    assert done.returncode == 1
+    assert "[FAIL] standby" in done.stdout
+    assert PASSWORD not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("dsn", "expected"),
+    [
+        (f"postgresql://app:{PASSWORD}@127.0.0.1:1/db", "cannot connect to 127.0.0.1:1/db"),
+        (f"host=127.0.0.1 password={PASSWORD} oops", "malformed DSN"),
+    ],
+)
+def test_bad_dsns_give_one_line_and_exit_2(dsn: str, expected: str) -> None:
+    for command in ("locks", "doctor"):
+        done = cli(command, "--dsn", dsn)
+        assert done.returncode == 2
+        assert expected in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+        assert "Traceback" not in done.stderr
+        assert PASSWORD not in done.stdout + done.stderr
+
+
+def test_a_wrong_password_gives_one_line_and_exit_2(primary: EmbeddedPostgres) -> None:
+    done = cli("locks", "--dsn", f"{primary.dsn} password=not-{PASSWORD}")
+    assert done.returncode == 2
+    assert "password authentication failed" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert f"not-{PASSWORD}" not in done.stderr
+    # and the right one works: the server really checks passwords
+    assert cli("locks", "--dsn", f"{primary.dsn} password={PASSWORD}").returncode == 0
+
+
+def test_missing_dsn_is_a_usage_error() -> None:
+    done = cli("locks")
+    assert done.returncode == 2 and "PGLOCK_DSN" in done.stderr
+
+
+@pytest.fixture
+def transaction_pooler(pg_dsn: str, tmp_path: Path) -> Iterator[str]:
+    """PgBouncer in transaction mode in front of the test server."""
+    binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+    if not Path(binary).exists():
+        pytest.fail("pgbouncer is not installed (make test installs it from Debian's packages)")
+    params = psycopg.conninfo.conninfo_to_dict(pg_dsn)
+    port = free_port()
+    (tmp_path / "users.txt").write_text(f'"{params.get("user", "postgres")}" ""\n')
+    (tmp_path / "pgbouncer.ini").write_text(
+        "[databases]\n"
+        f"* = host={params.get('host', '127.0.0.1')} port={params.get('port', 5432)}\n"
+        "[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        f"auth_type = trust\nauth_file = {tmp_path / 'users.txt'}\n"
+        "pool_mode = transaction\ndefault_pool_size = 4\n"
+    )
+    tmp_path.chmod(0o755)
+    command = [binary, str(tmp_path / "pgbouncer.ini")]
+    if os.geteuid() == 0:
+        command[1:1] = ["-u", "postgres" if _has_user("postgres") else "nobody"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    dsn = psycopg.conninfo.make_conninfo(**{**params, "port": str(port)})  # type: ignore[arg-type]
+
+    def answers() -> bool:
+        if process.poll() is not None:
+            raise AssertionError(f"pgbouncer exited: {process.stderr.read()!r}")  # type: ignore[union-attr]
+        try:
+            with psycopg.connect(dsn, connect_timeout=2, prepare_threshold=None):
+                return True
+        except psycopg.Error:
+            return False
+
+    try:
+        wait_until(answers, 20, "pgbouncer")
+        yield dsn
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(10)
+        process.stderr.close()  # type: ignore[union-attr]
+
+
+def _has_user(name: str) -> bool:
+    import pwd
+
+    try:
+        pwd.getpwnam(name)
+        return True
+    except KeyError:
+        return False
+
+
+def test_doctor_fails_behind_a_transaction_pooler(transaction_pooler: str) -> None:
+    done = cli("doctor", dsn=transaction_pooler)
+    print("\n" + done.stdout)
+    assert done.returncode == 1
+    assert "[FAIL] pooler" in done.stdout
+    assert "[FAIL] lock session" in done.stdout  # it also refuses the session settings

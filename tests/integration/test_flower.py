@@ -1,0 +1,109 @@
+"""A real Flower process tells skipped calls from calls that ran, and counts skips."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from pglock_celery import try_lock
+from tests.apps import core
+from tests.helpers.services import free_port, wait_until
+from tests.helpers.workers import ROOT, Worker
+
+SUFFIX = "-flower"
+
+
+AUTH = "ops:flower-test-pw"
+
+
+def fetch(url: str) -> Any:
+    token = base64.b64encode(AUTH.encode()).decode()
+    request = urllib.request.Request(url, headers={"Authorization": f"Basic {token}"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        body = response.read().decode()
+    return json.loads(body) if response.headers.get_content_type() == "application/json" else body
+
+
+@pytest.fixture(scope="module")
+def flower(worker_env: dict[str, str], log_dir: Path) -> Iterator[str]:
+    port = free_port()
+    log = (log_dir / "flower.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.apps.core", "flower",
+         f"--port={port}", "--address=127.0.0.1"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "FLOWER_BASIC_AUTH": AUTH, **worker_env},
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def answers() -> bool:
+        try:
+            return fetch(f"{url}/healthcheck") == "OK"
+        except OSError:
+            return False
+
+    try:
+        wait_until(answers, 30, "Flower")
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(15)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def events_worker(
+    app: Celery, worker_env: dict[str, str], log_dir: Path, flower: str
+) -> Iterator[Worker]:
+    """A worker started with -E, after Flower, on a queue of its own."""
+    env = {**worker_env, "PGLOCK_TEST_QUEUE": worker_env["PGLOCK_TEST_QUEUE"] + SUFFIX}
+    worker = Worker(app, "tests.apps.core", env, log_dir, extra=("-E",))
+    yield worker
+    worker.stop()
+
+
+def test_flower_shows_skips_apart_from_runs_and_counts_them(
+    flower: str, events_worker: Worker, queue: str, history: str, pg_dsn: str, run_id: str
+) -> None:
+    busy, free = f"{run_id}-busy", f"{run_id}-free"
+    with try_lock(f"tenant:{busy}", dsn=pg_dsn) as held:
+        assert held.acquired
+        skipped = core.step.apply_async((busy, history), queue=queue + SUFFIX)
+        ran = core.step.apply_async((free, history), queue=queue + SUFFIX)
+        assert skipped.get(timeout=30)["skipped"] is True
+        assert ran.get(timeout=30)["ran"] is True
+
+    def both_seen() -> dict[str, Any] | None:
+        tasks = fetch(f"{flower}/api/tasks")
+        done = {tid: t for tid, t in tasks.items() if t.get("state") == "SUCCESS"}
+        return done if {skipped.id, ran.id} <= done.keys() else None
+
+    seen = wait_until(both_seen, 30, "Flower to see both calls succeed", 0.2)
+    print(f"\nFlower, skipped: {seen[skipped.id]['result']}")
+    print(f"Flower, ran: {seen[ran.id]['result']}")
+    assert seen[skipped.id]["result"].startswith("{'skipped': True, 'lock': 'tenant:")
+    assert f"'lock': 'tenant:{busy}'" in seen[skipped.id]["result"]
+    assert "'skipped'" not in seen[ran.id]["result"]
+
+    def skip_counted() -> bool:
+        metrics = fetch(f"{flower}/metrics")
+        return any(
+            "flower_events_total" in line
+            and 'type="task-lock-skipped"' in line
+            and not line.rstrip().endswith(" 0.0")
+            for line in metrics.splitlines()
+        )
+
+    wait_until(skip_counted, 30, "Flower's metrics to count the skip", 0.2)
