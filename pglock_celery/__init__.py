@@ -12,9 +12,10 @@ from .exceptions import (
 )
 from .keys import lock_key
 from .lock import AdvisoryLock, current_lock, try_lock, wait_lock
-from .task import LOCK_SKIPPED_EVENT, TenantLockedTask
+from .task import LOCK_LOST_EVENT, LOCK_SKIPPED_EVENT, TenantLockedTask
 
 __all__ = [
+    "LOCK_LOST_EVENT",
     "LOCK_SKIPPED_EVENT",
     "AdvisoryLock",
     "ConfigurationError",

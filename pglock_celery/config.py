@@ -58,6 +58,13 @@ def _application_name(raw: Any) -> str:
     return text
 
 
+def _reaction(raw: Any) -> str:
+    text = str(raw).strip().lower()
+    if text not in ("raise", "terminate"):
+        raise ValueError("must be 'raise' or 'terminate'")
+    return text
+
+
 def _optional_str(raw: Any) -> str | None:
     return None if raw in (None, "") else str(raw)
 
@@ -88,6 +95,12 @@ class PglockConfig:
     server_tcp_user_timeout: float = 15.0
     #: Server client_connection_check_interval on the lock session, seconds.
     server_connection_check_interval: float = 5.0
+    #: Seconds between checks that a running step's lock session is alive,
+    #: still holds its lock and is not on a server in recovery.
+    check_interval: float = 2.0
+    #: What a task does when its lock is lost: "raise" (LockLost at the next
+    #: use of the lock) or "terminate" (the worker process ends at once).
+    on_lost: str = "raise"
     #: Countdown in seconds before a lock_mode="retry" call tries again.
     retry_countdown: float = 5.0
     #: Whether a skip looks up and reports who holds the lock (one query).
@@ -128,6 +141,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "server_keepalives_count": _positive_int,
     "server_tcp_user_timeout": _positive_float,
     "server_connection_check_interval": _positive_float,
+    "check_interval": _positive_float,
+    "on_lost": _reaction,
     "retry_countdown": _positive_float,
     "report_holder": _boolean,
 }

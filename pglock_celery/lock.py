@@ -8,7 +8,10 @@ would let both in; one session per lock rules that out.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
+from collections.abc import Callable
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Any
@@ -30,8 +33,9 @@ logger = logging.getLogger("pglock_celery.lock")
 _TRY = "SELECT pg_try_advisory_lock(%s::int8)"
 _WAIT = "SELECT pg_advisory_lock(%s::int8)"
 _UNLOCK = "SELECT pg_advisory_unlock(%s::int8)"
-_HELD = """
-SELECT EXISTS (
+# One round trip: is the server a primary, and does this session hold the key?
+_CHECK = """
+SELECT pg_is_in_recovery(), EXISTS (
   SELECT FROM pg_locks
   WHERE locktype = 'advisory' AND granted AND objsubid = 1
     AND pid = pg_backend_pid()
@@ -39,6 +43,9 @@ SELECT EXISTS (
     AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
 )
 """
+
+#: Called from the monitor thread when a held lock is found lost.
+LossHandler = Callable[["AdvisoryLock", str], None]
 
 _current: ContextVar[AdvisoryLock | None] = ContextVar("pglock_current_lock", default=None)
 
@@ -70,6 +77,7 @@ class AdvisoryLock:
         wait: bool = False,
         timeout: float | None = None,
         task_id: str | None = None,
+        on_lost: LossHandler | None = None,
     ) -> None:
         if isinstance(name_or_key, str):
             self.name: str | None = name_or_key
@@ -84,7 +92,12 @@ class AdvisoryLock:
         self._wait = wait
         self._timeout = timeout
         self._task_id = task_id
+        self._on_lost = on_lost
         self._conn: psycopg.Connection | None = None
+        self.application_name = ""
+        self._lost: str | None = None
+        self._lost_event = threading.Event()
+        self._stop_monitor = threading.Event()
 
     @property
     def label(self) -> str:
@@ -127,7 +140,84 @@ class AdvisoryLock:
         except BaseException:
             self._close()
             raise
+        if self.acquired:
+            self._start_monitor()
         return self.acquired
+
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the lock was found lost while held, or None."""
+        return self._lost
+
+    def _start_monitor(self) -> None:
+        thread = threading.Thread(
+            target=self._monitor, name=f"pglock-monitor {self.label}", daemon=True
+        )
+        thread.start()
+
+    def _monitor(self) -> None:
+        while not self._stop_monitor.wait(self._config.check_interval):
+            if self._lost is not None:
+                return
+            self._check_idle_session()
+
+    def _check_idle_session(self) -> None:
+        """Check the session when nothing else uses it; a busy one reports its own errors."""
+        conn = self._conn
+        if conn is None or conn.lock.locked():
+            return
+        if conn.info.transaction_status != TransactionStatus.IDLE:
+            return  # inside the body's transaction: its own statements will fail
+        try:
+            recovery, held = self._ask(conn)
+        except psycopg.Error as exc:
+            if self._stop_monitor.is_set():
+                return  # released meanwhile: the session was closed on purpose
+            self._mark_lost(f"the lock session failed: {_one_line(exc)}")
+            return
+        if recovery:
+            self._mark_lost("the server is in recovery (a failover?)")
+        elif not held:
+            self._mark_lost("the session no longer holds the lock")
+
+    def _ask(self, conn: psycopg.Connection) -> tuple[bool, bool]:
+        row = conn.execute(_CHECK, key_to_lock_fields(self.key)).fetchone()
+        assert row is not None
+        return bool(row[0]), bool(row[1])
+
+    def _mark_lost(self, reason: str) -> None:
+        if self._lost is not None or self._stop_monitor.is_set():
+            return
+        self._lost = reason
+        self._lost_event.set()
+        logger.error(
+            "lock %s lost by %s: %s",
+            self.label,
+            self.application_name,
+            reason,
+            extra={
+                "lock": self.label,
+                "key": self.key,
+                "task_id": self._task_id,
+                "holder": self.application_name,
+                "reason": reason,
+            },
+        )
+        conn = self._conn
+        if conn is not None and not conn.closed and "session failed" not in reason:
+            # Alive but without the lock (or on a standby): end the session, so
+            # that no further write of this holder can commit.
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        if self._on_lost is not None:
+            self._on_lost(self, reason)
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep, but raise LockLost as soon as the lock is found lost."""
+        if not self.acquired:
+            raise LockLost(f"lock {self.label} is not held")
+        if self._lost_event.wait(seconds):
+            raise LockLost(f"lock {self.label} was lost: {self._lost}")
 
     def _wait_for_lock(self) -> None:
         assert self._conn is not None
@@ -166,16 +256,18 @@ class AdvisoryLock:
 
         A session that cannot be asked (closed, broken) holds nothing.
         """
-        if self._conn is None or not self.acquired or self._conn.closed:
+        if self._conn is None or not self.acquired or self._lost or self._conn.closed:
             return False
         try:
-            row = self._conn.execute(_HELD, key_to_lock_fields(self.key)).fetchone()
+            recovery, held = self._ask(self._conn)
         except psycopg.Error:
             return False
-        return bool(row and row[0])
+        return held and not recovery
 
     def ensure_held(self) -> None:
         """Raise LockLost unless Postgres confirms the lock is still held."""
+        if self._lost is not None:
+            raise LockLost(f"lock {self.label} was lost: {self._lost}")
         if not self.held():
             raise LockLost(f"lock {self.label} (key {self.key}) is no longer held")
 
@@ -187,6 +279,7 @@ class AdvisoryLock:
         already gone (false, or a failed session). The session is closed in
         every case, which would free the lock anyway.
         """
+        self._stop_monitor.set()
         conn, self._conn = self._conn, None
         if conn is None:
             return
@@ -205,10 +298,13 @@ class AdvisoryLock:
                 ) from exc
             if not (row and row[0]):
                 raise LockLost(f"lock {self.label} was no longer held at release")
+            if self._lost is not None:
+                raise LockLost(f"lock {self.label} was lost while held: {self._lost}")
         finally:
             conn.close()
 
     def _close(self) -> None:
+        self._stop_monitor.set()
         conn, self._conn = self._conn, None
         self.acquired = False
         if conn is not None:

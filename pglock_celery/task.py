@@ -12,9 +12,11 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
+import psycopg
 from celery import Task, signals
 
 from .config import PglockConfig, get_config
@@ -31,6 +33,10 @@ logger = logging.getLogger("pglock_celery.task")
 
 #: Task event sent when a call skips because another session holds its lock.
 LOCK_SKIPPED_EVENT = "task-lock-skipped"
+#: Task event sent when a running call's lock is found lost.
+LOCK_LOST_EVENT = "task-lock-lost"
+#: Exit status of a worker process ended by pglock_on_lost = "terminate".
+LOCK_LOST_EXIT_STATUS = 70
 
 SKIP, WAIT, RETRY = "skip", "wait", "retry"
 LOCK_MODES = (SKIP, WAIT, RETRY)
@@ -74,6 +80,12 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             wait=mode == WAIT,
             timeout=self.lock_timeout,
             task_id=self.request.id,
+            on_lost=functools.partial(
+                self._lock_lost,
+                task_id=self.request.id,
+                hostname=self.request.hostname,
+                reaction=config.on_lost,
+            ),
         )
         try:
             lock.acquire()
@@ -91,6 +103,14 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             token = _current.set(lock)
             try:
                 return super().__call__(*args, **kwargs)
+            except psycopg.Error as exc:
+                # A failed lock session is a lost lock, whatever the statement was.
+                if lock.lost_reason is None and lock.held():
+                    raise
+                raise LockLost(
+                    f"task {self.name}: lock {name} was lost during the step: "
+                    f"{lock.lost_reason or ' '.join(str(exc).split())}"
+                ) from exc
             finally:
                 _current.reset(token)
         except BaseException as exc:
@@ -210,10 +230,11 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         if mode == RETRY:
             countdown = self.lock_retry_countdown or config.retry_countdown
             logger.info(
-                "lock %s is held by %s: task %s retries in %g s",
+                "lock %s is held by %s: task %s[%s] retries in %g s",
                 name,
                 shown,
                 self.name,
+                self.request.id,
                 countdown,
                 extra=extra,
             )
@@ -225,19 +246,60 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
                 ),
             )
         logger.info("lock %s is held by %s: task %s skipped", name, shown, self.name, extra=extra)
-        self._send_skip_event(name, holder_info)
+        self._send_event(
+            LOCK_SKIPPED_EVENT,
+            self.request.id,
+            self.request.hostname,
+            lock=name,
+            holder=holder_info,
+        )
         return self.on_lock_skipped(name, holder_info, args, kwargs)
 
-    def _send_skip_event(self, name: str, holder: dict[str, Any] | None) -> None:
-        if not (self.app.conf.worker_send_task_events and self.request.id):
+    def _lock_lost(
+        self,
+        lock: AdvisoryLock,
+        reason: str,
+        *,
+        task_id: str | None,
+        hostname: str | None,
+        reaction: str,
+    ) -> None:
+        """React to a loss found by the lock's monitor thread."""
+        self._send_event(
+            LOCK_LOST_EVENT,
+            task_id,
+            hostname,
+            lock=lock.label,
+            reason=reason,
+            holder=lock.application_name,
+        )
+        if reaction == "terminate":
+            logger.error(
+                "lock %s lost: ending worker process %d so that task %s[%s] stops",
+                lock.label,
+                os.getpid(),
+                self.name,
+                task_id,
+                extra={"lock": lock.label, "task_id": task_id, "reason": reason},
+            )
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(LOCK_LOST_EXIT_STATUS)
+
+    def _send_event(
+        self, event: str, task_id: str | None, hostname: str | None, **fields: Any
+    ) -> None:
+        """Send a task event when the worker sends them; never fail the call for it."""
+        if not (self.app.conf.worker_send_task_events and task_id):
             return
         try:
-            self.send_event(LOCK_SKIPPED_EVENT, lock=name, holder=holder)
+            with self.app.events.default_dispatcher(hostname=hostname) as dispatcher:
+                dispatcher.send(event, uuid=task_id, **fields)
         except Exception as exc:
             logger.warning(
-                "could not send %s for lock %s: %s",
-                LOCK_SKIPPED_EVENT,
-                name,
+                "could not send %s for task %s: %s",
+                event,
+                task_id,
                 exc,
-                extra={"lock": name, "task_id": self.request.id},
+                extra={"task_id": task_id, **fields},
             )
