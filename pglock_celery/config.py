@@ -80,21 +80,21 @@ class PglockConfig:
     #: First field of the lock session's application_name.
     application_name: str = "pglock"
     #: Client TCP keepalives: idle seconds, probe interval, probe count.
-    keepalives_idle: int = 3
+    keepalives_idle: int = 2
     keepalives_interval: int = 1
     keepalives_count: int = 3
     #: Client tcp_user_timeout in seconds: unacknowledged data declares the
     #: connection dead after this long.
-    tcp_user_timeout: float = 6.0
+    tcp_user_timeout: float = 5.0
     #: Server TCP keepalives on the lock session: the bound after which the
     #: server frees a cut-off holder's locks is about idle + interval * count.
-    server_keepalives_idle: int = 5
+    server_keepalives_idle: int = 4
     server_keepalives_interval: int = 2
-    server_keepalives_count: int = 5
+    server_keepalives_count: int = 4
     #: Server tcp_user_timeout on the lock session, in seconds.
-    server_tcp_user_timeout: float = 15.0
+    server_tcp_user_timeout: float = 12.0
     #: Server client_connection_check_interval on the lock session, seconds.
-    server_connection_check_interval: float = 5.0
+    server_connection_check_interval: float = 3.0
     #: Seconds between checks that a running step's lock session is alive,
     #: still holds its lock and is not on a server in recovery.
     check_interval: float = 2.0
@@ -108,11 +108,27 @@ class PglockConfig:
 
     @property
     def server_bound(self) -> float:
-        """Seconds after which the server frees a silent holder's locks."""
+        """Seconds after which the server frees a cut-off holder's locks, at most.
+
+        Keepalives (or tcp_user_timeout, with data in flight) declare the socket
+        dead; a backend busy in a statement notices at its next connection check.
+        """
         keepalive = self.server_keepalives_idle + (
             self.server_keepalives_interval * self.server_keepalives_count
         )
-        return max(float(keepalive), self.server_tcp_user_timeout)
+        dead = max(float(keepalive), self.server_tcp_user_timeout)
+        return dead + self.server_connection_check_interval
+
+    @property
+    def client_bound(self) -> float:
+        """Seconds after which a cut-off holder learns that its lock is lost, at most.
+
+        An idle session is checked every check_interval, and the check's
+        unacknowledged query fails after tcp_user_timeout; a session waiting on
+        a statement learns from its keepalives.
+        """
+        keepalive = self.keepalives_idle + self.keepalives_interval * self.keepalives_count
+        return max(self.check_interval + self.tcp_user_timeout, float(keepalive))
 
     def require_dsn(self) -> str:
         """Return the DSN, or raise ConfigurationError naming where to set it."""

@@ -123,8 +123,10 @@ class AdvisoryLock:
         """
         if self._conn is not None:
             raise RuntimeError(f"lock {self.label} was already acquired once")
-        app_name = application_name(self._config.application_name, self.label, self._task_id)
-        self._conn = open_session(self._config, app_name)
+        self.application_name = application_name(
+            self._config.application_name, self.label, self._task_id
+        )
+        self._conn = open_session(self._config, self.application_name)
         try:
             if self._wait:
                 self._wait_for_lock()

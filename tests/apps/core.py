@@ -29,6 +29,9 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     result_expires=3600,
+    broker_transport_options={
+        "visibility_timeout": float(os.environ.get("PGLOCK_TEST_VISIBILITY_TIMEOUT", "3600"))
+    },
 )
 
 
@@ -155,3 +158,32 @@ class CountingRetries(TenantLockedTask):
 def mark_with_retries(tenant_id: str, marker: str) -> str:
     _marker().set(marker, "ran")
     return "ran"
+
+
+@app.task(base=TenantLockedTask)
+def chaos_step(tenant_id: str, table: str, seconds: float) -> dict[str, Any]:
+    """A run with a non-atomic read-sleep-write counter: lost updates show overlaps."""
+    lock = current_lock()
+    assert lock is not None
+    conn = lock.connection
+    run_id = _record_start(table)
+    read = conn.execute(
+        f"SELECT coalesce((SELECT n FROM {table}_counter WHERE lock_name = %s), 0)", (lock.name,)
+    ).fetchone()
+    assert read is not None
+    lock.sleep(seconds)
+    with conn.transaction():
+        conn.execute(
+            f"INSERT INTO {table}_counter (lock_name, n) VALUES (%s, %s)"
+            " ON CONFLICT (lock_name) DO UPDATE SET n = EXCLUDED.n",
+            (lock.name, read[0] + 1),
+        )
+        conn.execute(f"UPDATE {table} SET finished = clock_timestamp() WHERE id = %s", (run_id,))
+    return {"ran": True, "pid": os.getpid(), "run": run_id}
+
+
+@app.task(base=TenantLockedTask, time_limit=1)
+def stuck(tenant_id: str, table: str) -> None:
+    """Overruns its hard time limit: the pool kills the process mid-step."""
+    _record_start(table)
+    time.sleep(30)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import psycopg
@@ -30,12 +30,13 @@ def create_history(dsn: str) -> str:
             " session_pid int NOT NULL, attempt int NOT NULL DEFAULT 0,"
             " started timestamptz NOT NULL, finished timestamptz)"
         )
+        conn.execute(f"CREATE TABLE {table}_counter (lock_name text PRIMARY KEY, n int NOT NULL)")
     return table
 
 
 def drop_history(dsn: str, table: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"DROP TABLE IF EXISTS {table}")
+        conn.execute(f"DROP TABLE IF EXISTS {table}, {table}_counter")
 
 
 def read_history(dsn: str, table: str) -> list[Run]:
@@ -48,17 +49,31 @@ def read_history(dsn: str, table: str) -> list[Run]:
 
 _NEVER = dt.datetime.max.replace(tzinfo=dt.timezone.utc)
 
+#: For an unfinished run, when its session is known to have ended (a kill, a
+#: terminate, a restart), else None: the run is then open to the end of time.
+SessionEnd = Callable[[Run], "dt.datetime | None"]
 
-def _end(run: Run) -> dt.datetime:
-    return run.finished if run.finished is not None else _NEVER
+
+def counters(dsn: str, table: str) -> dict[str, int]:
+    """The clock-free check: each name's read-sleep-write counter."""
+    with psycopg.connect(dsn) as conn:
+        return dict(conn.execute(f"SELECT lock_name, n FROM {table}_counter").fetchall())
 
 
-def overlaps(runs: Iterable[Run]) -> list[tuple[Run, Run]]:
+def overlaps(runs: Iterable[Run], session_end: SessionEnd | None = None) -> list[tuple[Run, Run]]:
     """Return every pair of runs of one lock name whose intervals overlap.
 
-    An unfinished run is open to the end of time. Touching ends do not
-    overlap: the next holder may start the instant the previous one ended.
+    An unfinished run is open to the end of time, unless ``session_end`` knows
+    when its session ended: the lock cannot outlive its session. Touching ends
+    do not overlap: the next holder may start the instant the previous ended.
     """
+
+    def _end(run: Run) -> dt.datetime:
+        if run.finished is not None:
+            return run.finished
+        ended = session_end(run) if session_end is not None else None
+        return ended if ended is not None else _NEVER
+
     by_name: dict[str, list[Run]] = defaultdict(list)
     for run in runs:
         by_name[run.lock_name].append(run)

@@ -50,10 +50,10 @@ def test_lock_session_sets_its_own_safety_settings(pg_dsn: str, run_id: str) -> 
         }
     assert shown["idle_session_timeout"] == "0"
     assert shown["idle_in_transaction_session_timeout"] == "0"
-    assert shown["client_connection_check_interval"] == "5s"
-    assert shown["tcp_keepalives_idle"] == "5"
-    assert shown["tcp_keepalives_count"] == "5"
-    assert shown["tcp_user_timeout"] == "15000"
+    assert shown["client_connection_check_interval"] == "3s"
+    assert shown["tcp_keepalives_idle"] == "4"
+    assert shown["tcp_keepalives_count"] == "4"
+    assert shown["tcp_user_timeout"] == "12000"
 
 
 def test_bare_negative_key_is_held_and_released(pg_dsn: str) -> None:

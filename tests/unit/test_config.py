@@ -14,6 +14,7 @@ def test_defaults_without_any_setting() -> None:
     assert config == PglockConfig()
     assert config.dsn is None
     assert config.server_bound == 15.0
+    assert config.client_bound < config.server_bound
 
 
 def test_app_conf_wins_over_the_environment() -> None:

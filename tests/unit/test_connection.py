@@ -68,7 +68,7 @@ def test_connect_kwargs_keep_the_dsns_own_options() -> None:
     options = str(kwargs["options"])
     assert options.startswith("-c search_path=app ")
     assert "-c idle_session_timeout=0" in options
-    assert "-c tcp_keepalives_idle=5" in options
+    assert "-c tcp_keepalives_idle=4" in options
     assert kwargs["target_session_attrs"] == "read-write"
     assert kwargs["autocommit"] is True
     assert kwargs["application_name"] == "pglock|n|-|1@h"
@@ -76,8 +76,15 @@ def test_connect_kwargs_keep_the_dsns_own_options() -> None:
 
 def test_client_detects_a_dead_peer_before_the_server_frees_the_lock() -> None:
     config = PglockConfig()
-    client = config.keepalives_idle + config.keepalives_interval * config.keepalives_count
-    assert max(client, config.tcp_user_timeout) < config.server_bound
+    assert config.client_bound == 7.0
+    assert config.server_bound == 15.0
+    # The server's fastest way to free the lock must still come after the client knew.
+    fastest_server = min(
+        config.server_tcp_user_timeout,
+        config.server_keepalives_idle
+        + config.server_keepalives_interval * config.server_keepalives_count,
+    )
+    assert config.client_bound < fastest_server
 
 
 def test_malformed_dsn_is_a_configuration_error_without_the_password() -> None:
