@@ -245,7 +245,14 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
                     f"{self.request.retries} retries"
                 ),
             )
-        logger.info("lock %s is held by %s: task %s skipped", name, shown, self.name, extra=extra)
+        logger.info(
+            "lock %s is held by %s: task %s[%s] skipped",
+            name,
+            shown,
+            self.name,
+            self.request.id,
+            extra=extra,
+        )
         self._send_event(
             LOCK_SKIPPED_EVENT,
             self.request.id,

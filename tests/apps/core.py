@@ -29,8 +29,11 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     result_expires=3600,
+    # A short visibility timeout (the redelivery test) with sweeps every second.
     broker_transport_options={
-        "visibility_timeout": float(os.environ.get("PGLOCK_TEST_VISIBILITY_TIMEOUT", "3600"))
+        "visibility_timeout": float(os.environ.get("PGLOCK_TEST_VISIBILITY_TIMEOUT", "3600")),
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
     },
 )
 

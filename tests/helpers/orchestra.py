@@ -30,8 +30,9 @@ class Orchestra:
     """Replicas and beats of the `tasks` app on one test's schema and queue."""
 
     def __init__(
-        self, base_dsn: str, broker: str, log_dir: Path, app: Celery, **clock: str
+        self, base_dsn: str, broker: str, log_dir: Path, app: Celery | None, **clock: str
     ) -> None:
+        """With ``app``, it is pointed at this orchestra for sending tasks; else left alone."""
         self.schema = f"orch_{uuid.uuid4().hex[:10]}"
         self.base_dsn = base_dsn
         self.dsn = prepare_database(base_dsn, self.schema)
@@ -46,14 +47,14 @@ class Orchestra:
         }
         self.log_dir = log_dir / self.schema
         self.log_dir.mkdir(parents=True)
-        self.app = app
-        app.conf.update(
-            broker_url=broker,
-            result_backend=broker,
-            task_default_queue=self.queue,
-            pglock_dsn=self.dsn,
-        )
-        app.backend.client.delete(SKIPS_KEY)
+        if app is not None:
+            app.conf.update(
+                broker_url=broker,
+                result_backend=broker,
+                task_default_queue=self.queue,
+                pglock_dsn=self.dsn,
+            )
+            app.backend.client.delete(SKIPS_KEY)
         self.processes: list[fleet.Process] = []
         apply_schema(self.dsn)
 
