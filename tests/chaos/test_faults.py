@@ -24,7 +24,7 @@ from pglock_celery.inspect import find_holder
 from tests.chaos.conftest import CHECK_INTERVAL, Chaos
 from tests.helpers.history import Run, counters, overlaps, read_history
 from tests.helpers.orchestra import Orchestra
-from tests.helpers.services import wait_until
+from tests.helpers.services import EmbeddedRedis, wait_until
 
 UTC = dt.timezone.utc
 
@@ -262,15 +262,19 @@ def test_idle_session_timeout_on_the_server_does_not_cut_a_lock_session(
     print("\nidle_session_timeout = 1s: the lock session stayed 2.5 s idle and kept its lock")
 
 
-def test_redis_restart_without_persistence_loses_no_tenant(chaos: Chaos, log_dir: Path) -> None:
-    orchestra = Orchestra(chaos.pg.dsn, chaos.redis.url, log_dir, None)
+def test_redis_restart_without_persistence_loses_no_tenant(
+    chaos: Chaos, log_dir: Path, tmp_path: Path
+) -> None:
+    broker = EmbeddedRedis(tmp_path / "redis")  # its own: the restart touches nothing else
+    broker.start()
+    orchestra = Orchestra(chaos.pg.dsn, broker.url, log_dir, None)
     try:
         orchestra.seed(4)
         orchestra.replicas(2)
         orchestra.beat()
         wait_until(lambda: min(orchestra.cycles().values()) >= 1, 90, "a first cycle each", 0.5)
-        chaos.redis.stop()
-        chaos.redis.start()
+        broker.stop()
+        broker.start()
         before = orchestra.cycles()
         wait_until(
             lambda: all(c >= before[t] + 2 for t, c in orchestra.cycles().items()),
@@ -283,3 +287,4 @@ def test_redis_restart_without_persistence_loses_no_tenant(chaos: Chaos, log_dir
         assert summary.overlaps == 0 and summary.duplicate_jobs == 0 and summary.stopped == 0
     finally:
         orchestra.close()
+        broker.stop()

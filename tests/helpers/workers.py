@@ -58,7 +58,10 @@ class Worker:
     def _answers(self) -> bool:
         if self.process.poll() is not None:
             raise AssertionError(f"worker exited early; log:\n{self.log_tail()}")
-        return bool(self.app.control.ping(destination=[self.nodename], timeout=0.5))
+        try:
+            return bool(self.app.control.ping(destination=[self.nodename], timeout=0.5))
+        except Exception:  # a broker connection from before a broker restart: try again
+            return False
 
     @property
     def pid(self) -> int:
