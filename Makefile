@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test lint unit integration chaos clean
+.PHONY: run test lint unit integration chaos soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ integration: $(STAMP)
 
 chaos: $(STAMP)
 	$(PY) -m pytest tests/chaos
+
+# A longer randomized mix of faults: make soak ARGS="--duration 600"
+soak: $(STAMP)
+	$(PY) -m tests.chaos.soak $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

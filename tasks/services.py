@@ -201,6 +201,7 @@ class EmbeddedRedis:
         self.binary = REDIS_SERVER_PATH
         self.base = base
         self.port = port or free_port()
+        self.bind = "127.0.0.1"
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -211,7 +212,7 @@ class EmbeddedRedis:
         self.base.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
             [
-                self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                self.binary, "--port", str(self.port), "--bind", *self.bind.split(),
                 "--save", "", "--appendonly", "no", "--dir", str(self.base),
                 "--logfile", str(self.base / "redis.log"),
             ],

@@ -32,9 +32,22 @@ def idempotency_key(tenant_id: str, run_number: int, stage: str) -> str:
 def _conn(dsn: str) -> psycopg.Connection:
     """This process's connection to the service, opened after fork."""
     global _connection
-    if _connection is None or _connection[0] != os.getpid() or _connection[1].closed:
+    if (
+        _connection is None
+        or _connection[0] != os.getpid()
+        or _connection[1].closed
+        or _connection[1].broken
+    ):
         _connection = (os.getpid(), psycopg.connect(dsn, autocommit=True))
     return _connection[1]
+
+
+def _call(dsn: str, query: str, params: tuple[object, ...]) -> tuple[object, ...] | None:
+    """One request to the service; a dropped connection is retried once, as a client would."""
+    try:
+        return _conn(dsn).execute(query, params).fetchone()
+    except psycopg.OperationalError:
+        return _conn(dsn).execute(query, params).fetchone()
 
 
 def submit(
@@ -48,50 +61,41 @@ def submit(
     """Start a training job, or return the one this key already started."""
     key = idempotency_key(tenant_id, run_number, "train")
     failed = random.random() < failure_rate
-    row = (
-        _conn(dsn)
-        .execute(
-            "INSERT INTO training_jobs"
-            " (idempotency_key, tenant_id, run_number, ready_at, failed, score)"
-            " VALUES (%s, %s, %s, clock_timestamp() + make_interval(secs => %s), %s, %s)"
-            " ON CONFLICT (idempotency_key) DO UPDATE SET tenant_id = EXCLUDED.tenant_id"
-            " RETURNING job_id",
-            (key, tenant_id, run_number, seconds, failed, round(random.uniform(0.5, 1.0), 4)),
-        )
-        .fetchone()
+    row = _call(
+        dsn,
+        "INSERT INTO training_jobs"
+        " (idempotency_key, tenant_id, run_number, ready_at, failed, score)"
+        " VALUES (%s, %s, %s, clock_timestamp() + make_interval(secs => %s), %s, %s)"
+        " ON CONFLICT (idempotency_key) DO UPDATE SET tenant_id = EXCLUDED.tenant_id"
+        " RETURNING job_id",
+        (key, tenant_id, run_number, seconds, failed, round(random.uniform(0.5, 1.0), 4)),
     )
     assert row is not None
-    return int(row[0])
+    return int(row[0])  # type: ignore[call-overload]
 
 
 def poll(dsn: str, job_id: int) -> Job:
     """Return the job's state; an unknown job id is an error."""
-    row = (
-        _conn(dsn)
-        .execute(
-            "SELECT job_id, ready_at <= clock_timestamp(), failed, score"
-            " FROM training_jobs WHERE job_id = %s",
-            (job_id,),
-        )
-        .fetchone()
+    row = _call(
+        dsn,
+        "SELECT job_id, ready_at <= clock_timestamp(), failed, score"
+        " FROM training_jobs WHERE job_id = %s",
+        (job_id,),
     )
     if row is None:
         raise LookupError(f"training service: no job {job_id}")
-    return Job(*row)
+    return Job(*row)  # type: ignore[arg-type]
 
 
 def download(dsn: str, job_id: int) -> float:
     """Fetch a finished job's results (the candidate model's score)."""
-    row = (
-        _conn(dsn)
-        .execute(
-            "UPDATE training_jobs SET downloads = downloads + 1"
-            " WHERE job_id = %s AND ready_at <= clock_timestamp() AND NOT failed"
-            " RETURNING score",
-            (job_id,),
-        )
-        .fetchone()
+    row = _call(
+        dsn,
+        "UPDATE training_jobs SET downloads = downloads + 1"
+        " WHERE job_id = %s AND ready_at <= clock_timestamp() AND NOT failed"
+        " RETURNING score",
+        (job_id,),
     )
     if row is None:
         raise LookupError(f"training service: job {job_id} has no results to download")
-    return float(row[0])
+    return float(row[0])  # type: ignore[arg-type]
