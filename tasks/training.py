@@ -71,7 +71,7 @@ def submit(
         (key, tenant_id, run_number, seconds, failed, round(random.uniform(0.5, 1.0), 4)),
     )
     assert row is not None
-    return int(row[0])  # type: ignore[call-overload]
+    return int(row[0])
 
 
 def poll(dsn: str, job_id: int) -> Job:
@@ -84,7 +84,7 @@ def poll(dsn: str, job_id: int) -> Job:
     )
     if row is None:
         raise LookupError(f"training service: no job {job_id}")
-    return Job(*row)  # type: ignore[arg-type]
+    return Job(*row)
 
 
 def download(dsn: str, job_id: int) -> float:
@@ -98,4 +98,4 @@ def download(dsn: str, job_id: int) -> float:
     )
     if row is None:
         raise LookupError(f"training service: job {job_id} has no results to download")
-    return float(row[0])  # type: ignore[arg-type]
+    return float(row[0])
