@@ -26,8 +26,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# The default strategy (reuse) runs everything; the lock, worker and fault tests run
+# again with a session per lock (connect).
 test: lint
 	$(PY) -m pytest tests
+	PGLOCK_STRATEGY=connect $(PY) -m pytest tests/integration/test_lock.py \
+		tests/integration/test_workers.py tests/integration/test_fail_closed.py tests/chaos/test_faults.py
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit

@@ -65,6 +65,20 @@ def _reaction(raw: Any) -> str:
     return text
 
 
+def _strategy(raw: Any) -> str:
+    text = str(raw).strip().lower()
+    if text not in ("connect", "reuse"):
+        raise ValueError("must be 'connect' or 'reuse'")
+    return text
+
+
+def _whole(raw: Any) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError("must be a whole number, 0 or more")
+    return value
+
+
 def _optional_str(raw: Any) -> str | None:
     return None if raw in (None, "") else str(raw)
 
@@ -101,6 +115,12 @@ class PglockConfig:
     #: What a task does when its lock is lost: "raise" (LockLost at the next
     #: use of the lock) or "terminate" (the worker process ends at once).
     on_lost: str = "raise"
+    #: Where lock sessions come from: "reuse" (a few idle lock-only sessions
+    #: per process, checked out by one holder at a time) or "connect" (a new
+    #: session for every lock, closed on release).
+    strategy: str = "reuse"
+    #: Idle lock sessions a process keeps per DSN with the "reuse" strategy.
+    idle_sessions: int = 2
     #: Countdown in seconds before a lock_mode="retry" call tries again.
     retry_countdown: float = 5.0
     #: Whether a skip looks up and reports who holds the lock (one query).
@@ -159,6 +179,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "server_connection_check_interval": _positive_float,
     "check_interval": _positive_float,
     "on_lost": _reaction,
+    "strategy": _strategy,
+    "idle_sessions": _whole,
     "retry_countdown": _positive_float,
     "report_holder": _boolean,
 }

@@ -98,6 +98,11 @@ def application_name(prefix: str, lock: str, task_id: str | None, host: str | No
     return encoded[:APPLICATION_NAME_MAX_BYTES].decode(errors="ignore")
 
 
+def idle_name(prefix: str) -> str:
+    """The application_name of a cached lock session that holds nothing."""
+    return f"{prefix}-idle{FIELD_SEPARATOR}{os.getpid()}"
+
+
 def _session_options(config: PglockConfig, inherited: str | None) -> str:
     settings = {
         "tcp_keepalives_idle": config.server_keepalives_idle,

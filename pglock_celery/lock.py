@@ -9,8 +9,12 @@ would let both in; one session per lock rules that out.
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from types import TracebackType
@@ -22,8 +26,9 @@ from celery._state import get_current_task
 from psycopg import errors as pg_errors
 from psycopg.pq import TransactionStatus
 
+from . import sessions
 from .config import PglockConfig, get_config
-from .connection import application_name, open_session
+from .connection import application_name, idle_name, open_session
 from .exceptions import LockLost, LockTimeout, LockUnavailable
 from .inspect import Holder, find_holder
 from .keys import check_key, key_to_lock_fields, lock_key
@@ -31,6 +36,16 @@ from .keys import check_key, key_to_lock_fields, lock_key
 logger = logging.getLogger("pglock_celery.lock")
 
 _TRY = "SELECT pg_try_advisory_lock(%s::int8)"
+# A reused session takes the holder's name in the same round trip, only if it got the lock.
+_TRY_AND_NAME = (
+    "SELECT got, CASE WHEN got THEN set_config('application_name', %s, false) END"
+    " FROM pg_try_advisory_lock(%s::int8) AS got"
+)
+# Back to the cache: no advisory lock of the holder's may stay, nor its name.
+_UNLOCK_FOR_REUSE = (
+    "SELECT pg_advisory_unlock(%s::int8), pg_advisory_unlock_all(),"
+    " set_config('application_name', %s, false)"
+)
 _WAIT = "SELECT pg_advisory_lock(%s::int8)"
 _UNLOCK = "SELECT pg_advisory_unlock(%s::int8)"
 # One round trip: is the server a primary, and does this session hold the key?
@@ -94,6 +109,7 @@ class AdvisoryLock:
         self._task_id = task_id
         self._on_lost = on_lost
         self._conn: psycopg.Connection | None = None
+        self._reuse = False
         self.application_name = ""
         self._lost: str | None = None
         self._lost_event = threading.Event()
@@ -116,9 +132,9 @@ class AdvisoryLock:
         return f"<AdvisoryLock {self.label!r} key={self.key} {state}>"
 
     def acquire(self) -> bool:
-        """Open the session and take the lock; return whether it is held.
+        """Take the lock on a session of its own; return whether it is held.
 
-        Raises LockUnavailable when the session cannot be opened or used, and
+        Raises LockUnavailable when no session can be opened or used, and
         LockTimeout when a waiting lock is not granted within its timeout.
         """
         if self._conn is not None:
@@ -126,25 +142,52 @@ class AdvisoryLock:
         self.application_name = application_name(
             self._config.application_name, self.label, self._task_id
         )
-        self._conn = open_session(self._config, self.application_name)
-        try:
-            if self._wait:
-                self._wait_for_lock()
-                self.acquired = True
-            else:
-                row = self._conn.execute(_TRY, (self.key,)).fetchone()
-                self.acquired = bool(row and row[0])
-        except psycopg.Error as exc:
-            self._close()
-            raise LockUnavailable(
-                f"lock {self.label}: the lock session failed while locking: {_one_line(exc)}"
-            ) from exc
-        except BaseException:
-            self._close()
-            raise
+        self._reuse = self._config.strategy == sessions.REUSE
+        cached = sessions.take(self._config) if self._reuse else None
+        if cached is not None:
+            try:
+                self._lock_on(cached)
+            except psycopg.Error:
+                # An idle session that died or went wrong meanwhile: it held
+                # nothing, so a fresh one may take its place.
+                self._close()
+            except BaseException:
+                self._close()
+                raise
+        if self._conn is None:
+            startup_name = idle_name(self._config.application_name) if self._reuse else None
+            conn = open_session(self._config, startup_name or self.application_name)
+            sessions.register(conn)
+            try:
+                self._lock_on(conn)
+            except psycopg.Error as exc:
+                self._close()
+                raise LockUnavailable(
+                    f"lock {self.label}: the lock session failed while locking: {_one_line(exc)}"
+                ) from exc
+            except BaseException:
+                self._close()
+                raise
         if self.acquired:
-            self._start_monitor()
+            _scheduler.watch(self)
         return self.acquired
+
+    def _lock_on(self, conn: psycopg.Connection) -> None:
+        """Take the lock on ``conn`` (a fresh or a cached session)."""
+        self._conn = conn
+        if self._wait:
+            if self._reuse:
+                conn.execute(
+                    "SELECT set_config('application_name', %s, false)", (self.application_name,)
+                )
+            self._wait_for_lock()
+            self.acquired = True
+        elif self._reuse:
+            row = conn.execute(_TRY_AND_NAME, (self.application_name, self.key)).fetchone()
+            self.acquired = bool(row and row[0])
+        else:
+            row = conn.execute(_TRY, (self.key,)).fetchone()
+            self.acquired = bool(row and row[0])
 
     @property
     def lost_reason(self) -> str | None:
@@ -152,16 +195,19 @@ class AdvisoryLock:
         return self._lost
 
     def _start_monitor(self) -> None:
+        """Check the session from now on, every check interval, until release."""
+        if self._stop_monitor.is_set() or not self.acquired:
+            return
         thread = threading.Thread(
             target=self._monitor, name=f"pglock-monitor {self.label}", daemon=True
         )
         thread.start()
 
     def _monitor(self) -> None:
-        while not self._stop_monitor.wait(self._config.check_interval):
-            if self._lost is not None:
-                return
+        while self._lost is None and not self._stop_monitor.is_set():
             self._check_idle_session()
+            if self._stop_monitor.wait(self._config.check_interval):
+                return
 
     def _check_idle_session(self) -> None:
         """Check the session when nothing else uses it; a busy one reports its own errors."""
@@ -273,37 +319,54 @@ class AdvisoryLock:
         if not self.held():
             raise LockLost(f"lock {self.label} (key {self.key}) is no longer held")
 
-    def release(self) -> None:
-        """Unlock and close the session; idempotent.
+    def release(self, reusable: bool = True) -> None:
+        """Unlock and let the session go; idempotent.
 
         An open transaction is rolled back first: it was made under the lock and
         must not outlive it. Raises LockLost when the unlock shows the lock was
-        already gone (false, or a failed session). The session is closed in
-        every case, which would free the lock anyway.
+        already gone (false, or a failed session). A session goes back to this
+        process's cache (strategy ``reuse``) only when ``reusable``, the unlock
+        returned true and nothing else is in doubt; otherwise it is closed,
+        which would free the lock anyway.
         """
         self._stop_monitor.set()
         conn, self._conn = self._conn, None
         if conn is None:
             return
         was_held, self.acquired = self.acquired, False
+        keep = False
         try:
             if not was_held:
+                # Nothing was taken or renamed on this session.
+                keep = self._reuse and reusable
                 return
-            try:
-                if conn.info.transaction_status != TransactionStatus.IDLE:
-                    conn.rollback()
-                row = conn.execute(_UNLOCK, (self.key,)).fetchone()
-            except psycopg.Error as exc:
-                raise LockLost(
-                    f"lock {self.label}: the session failed at release, so the lock "
-                    f"was lost before it: {_one_line(exc)}"
-                ) from exc
-            if not (row and row[0]):
-                raise LockLost(f"lock {self.label} was no longer held at release")
-            if self._lost is not None:
-                raise LockLost(f"lock {self.label} was lost while held: {self._lost}")
+            keep = self._unlock(conn) and self._reuse and reusable
         finally:
-            conn.close()
+            if not (keep and sessions.give_back(self._config, conn)):
+                conn.close()
+
+    def _unlock(self, conn: psycopg.Connection) -> bool:
+        """Unlock; return whether the session may be used again, or raise LockLost."""
+        clean = True
+        try:
+            if conn.info.transaction_status != TransactionStatus.IDLE:
+                conn.rollback()
+                clean = False
+            if self._reuse:
+                idle = idle_name(self._config.application_name)
+                row = conn.execute(_UNLOCK_FOR_REUSE, (self.key, idle)).fetchone()
+            else:
+                row = conn.execute(_UNLOCK, (self.key,)).fetchone()
+        except psycopg.Error as exc:
+            raise LockLost(
+                f"lock {self.label}: the session failed at release, so the lock "
+                f"was lost before it: {_one_line(exc)}"
+            ) from exc
+        if not (row and row[0]):
+            raise LockLost(f"lock {self.label} was no longer held at release")
+        if self._lost is not None:
+            raise LockLost(f"lock {self.label} was lost while held: {self._lost}")
+        return clean
 
     def _close(self) -> None:
         self._stop_monitor.set()
@@ -331,7 +394,8 @@ class AdvisoryLock:
         then the loss is logged and the caller sees its own exception.
         """
         try:
-            self.release()
+            # A session whose holder failed is not trusted again.
+            self.release(reusable=error is None)
         except LockLost as lost:
             if error is None:
                 raise
@@ -341,6 +405,46 @@ class AdvisoryLock:
                 type(error).__name__,
                 extra={"lock": self.label, "key": self.key},
             )
+
+
+class _MonitorScheduler:
+    """Starts a held lock's monitor thread once it has been held one check interval.
+
+    Most steps end sooner, and never pay for a thread. One scheduler thread per
+    process, started on first use (and again in a forked child).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, AdvisoryLock]] = []
+        self._order = itertools.count()
+        self._pid: int | None = None
+
+    def watch(self, lock: AdvisoryLock) -> None:
+        with self._cond:
+            if self._pid != os.getpid():
+                self._pid, self._due = os.getpid(), []
+                threading.Thread(target=self._run, name="pglock-monitors", daemon=True).start()
+            due = time.monotonic() + lock._config.check_interval
+            heapq.heappush(self._due, (due, next(self._order), lock))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._due:
+                    self._cond.wait()
+                    continue
+                due, _, lock = self._due[0]
+                delay = due - time.monotonic()
+                if delay > 0:
+                    self._cond.wait(delay)
+                    continue
+                heapq.heappop(self._due)
+            lock._start_monitor()
+
+
+_scheduler = _MonitorScheduler()
 
 
 def _config_for(dsn: str | None) -> PglockConfig:

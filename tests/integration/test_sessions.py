@@ -1,0 +1,111 @@
+"""The reuse strategy: idle lock-only sessions, one holder at a time, closed on any doubt."""
+
+from __future__ import annotations
+
+import os
+
+import psycopg
+import pytest
+
+from pglock_celery import LockLost, lock_key, sessions, try_lock
+from pglock_celery.config import PglockConfig
+from pglock_celery.lock import AdvisoryLock
+
+
+@pytest.fixture(autouse=True)
+def empty_cache() -> None:
+    sessions.close_idle()
+
+
+def lock(dsn: str, name: str, strategy: str = "reuse") -> AdvisoryLock:
+    return AdvisoryLock(name, config=PglockConfig(dsn=dsn, strategy=strategy))
+
+
+def test_a_clean_release_returns_the_session_for_the_next_lock(pg_dsn: str, run_id: str) -> None:
+    with lock(pg_dsn, f"a:{run_id}") as first:
+        backend = first.connection.info.backend_pid
+    assert sessions.idle_count() == 1
+    with lock(pg_dsn, f"b:{run_id}") as second:
+        assert second.connection.info.backend_pid == backend
+        name = second.connection.execute("SHOW application_name").fetchone()
+        assert name is not None and name[0].startswith(f"pglock|b:{run_id}|")
+    with psycopg.connect(pg_dsn) as conn:
+        name = conn.execute(
+            "SELECT application_name FROM pg_stat_activity WHERE pid = %s", (backend,)
+        ).fetchone()
+        held = conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = %s", (backend,)
+        ).fetchone()
+    assert name == (f"pglock-idle|{os.getpid()}",)  # back in the cache, under its idle name
+    assert held == (0,)
+
+
+def test_the_connect_strategy_never_keeps_a_session(pg_dsn: str, run_id: str) -> None:
+    with lock(pg_dsn, f"a:{run_id}", strategy="connect"):
+        pass
+    assert sessions.idle_count() == 0
+
+
+def test_two_holders_in_one_process_never_share_a_session(pg_dsn: str, run_id: str) -> None:
+    with lock(pg_dsn, f"a:{run_id}") as first, lock(pg_dsn, f"a:{run_id}") as second:
+        assert first.acquired and not second.acquired
+        assert first.connection.info.backend_pid != second._conn.info.backend_pid  # type: ignore[union-attr]
+
+
+def test_a_failed_body_closes_its_session(pg_dsn: str, run_id: str) -> None:
+    with pytest.raises(ZeroDivisionError), lock(pg_dsn, f"a:{run_id}"):
+        1 / 0  # noqa: B018
+    assert sessions.idle_count() == 0
+
+
+def test_an_open_transaction_closes_the_session(pg_dsn: str, run_id: str) -> None:
+    with lock(pg_dsn, f"a:{run_id}") as held:
+        held.connection.execute("BEGIN")
+    assert sessions.idle_count() == 0
+
+
+def test_other_advisory_locks_of_the_body_do_not_survive_in_the_cache(
+    pg_dsn: str, run_id: str
+) -> None:
+    stray = lock_key(f"stray:{run_id}")
+    with lock(pg_dsn, f"a:{run_id}") as held:
+        held.connection.execute("SELECT pg_advisory_lock(%s)", (stray,))
+    assert sessions.idle_count() == 1
+    with try_lock(stray, dsn=pg_dsn) as other:
+        assert other.acquired
+
+
+def test_a_cached_session_that_died_is_replaced_before_locking(pg_dsn: str, run_id: str) -> None:
+    with lock(pg_dsn, f"a:{run_id}") as first:
+        backend = first.connection.info.backend_pid
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (backend,))
+    with lock(pg_dsn, f"a:{run_id}") as second:
+        assert second.acquired
+        assert second.connection.info.backend_pid != backend
+
+
+def test_a_lost_lock_is_reported_and_its_session_is_not_kept(pg_dsn: str, run_id: str) -> None:
+    with pytest.raises(LockLost), lock(pg_dsn, f"a:{run_id}") as held:
+        held.connection.execute("SELECT pg_advisory_unlock(%s)", (held.key,))
+    assert sessions.idle_count() == 0
+
+
+def test_a_forked_child_does_not_use_its_parents_sessions(pg_dsn: str, run_id: str) -> None:
+    with lock(pg_dsn, f"a:{run_id}"):
+        pass
+    assert sessions.idle_count() == 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: reports what it sees, then leaves without cleanup
+        os.close(read)
+        os.write(write, str(sessions.idle_count()).encode())
+        os._exit(0)
+    os.close(write)
+    seen = os.read(read, 16).decode()
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert seen == "0"
+    # The parent's session survived the child's exit.
+    with lock(pg_dsn, f"b:{run_id}") as again:
+        assert again.held()
