@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test lint unit integration chaos soak clean
+.PHONY: run test lint unit integration chaos soak bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ integration: $(STAMP)
 
 chaos: $(STAMP)
 	$(PY) -m pytest tests/chaos
+
+# Side-by-side benchmarks: writes BENCHMARKS.md and bench/chart.png (about 5 minutes).
+bench: $(STAMP)
+	$(PY) -m bench.run $(ARGS)
 
 # A longer randomized mix of faults: make soak ARGS="--duration 600"
 soak: $(STAMP)

@@ -12,6 +12,7 @@ would end a session holding a lock between statements.
 from __future__ import annotations
 
 import base64
+import functools
 import math
 import os
 import re
@@ -60,6 +61,11 @@ def describe_target(dsn: str) -> str:
     return f"{where}/{dbname}" if dbname else where
 
 
+@functools.lru_cache(maxsize=1)
+def _hostname() -> str:
+    return socket.gethostname()
+
+
 def compact_task_id(task_id: str | None) -> str:
     """Return a UUID task id in 23 characters (``~`` + base64url), others as they are."""
     if not task_id:
@@ -91,7 +97,7 @@ def application_name(prefix: str, lock: str, task_id: str | None, host: str | No
     The lock name may itself contain the separator; readers check a candidate
     name against the lock's key.
     """
-    host = host if host is not None else socket.gethostname()
+    host = host if host is not None else _hostname()
     fields = [prefix, lock, str(os.getpid()), compact_task_id(task_id), host]
     encoded = FIELD_SEPARATOR.join(fields).encode()
     # Cut on a character boundary: Postgres would cut bytes blindly.

@@ -1,0 +1,69 @@
+"""The Celery app the throughput benchmark runs in real workers."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import redis
+from celery import Celery, Task
+
+from pglock_celery import TenantLockedTask
+
+BROKER = os.environ.get("PGLOCK_BENCH_BROKER", "redis://127.0.0.1:6379/0")
+
+app = Celery("pglock_bench", broker=BROKER, backend=BROKER)
+app.conf.update(
+    task_default_queue=os.environ.get("PGLOCK_BENCH_QUEUE", "pglock-bench"),
+    worker_prefetch_multiplier=4,
+    result_expires=600,
+    broker_connection_retry_on_startup=True,
+)
+
+_UNLOCK = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
+class RedisLeaseTask(Task):  # type: ignore[type-arg]
+    """What celery-once and celery-singleton do: SET NX PX, then a token-checked delete."""
+
+    ttl_ms = 30_000
+    _client: redis.Redis | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._client is None:
+            type(self)._client = redis.Redis.from_url(BROKER)
+        client = self._client
+        assert client is not None
+        key, token = f"lease:tenant:{args[0]}", uuid.uuid4().hex
+        if not client.set(key, token, nx=True, px=self.ttl_ms):
+            return {"skipped": True}
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            client.eval(_UNLOCK, 1, key, token)
+
+
+@app.task
+def plain(tenant_id: int) -> None:
+    return None
+
+
+@app.task(base=TenantLockedTask)
+def locked(tenant_id: int) -> None:
+    return None
+
+
+@app.task(base=RedisLeaseTask)
+def leased(tenant_id: int) -> None:
+    return None
+
+
+@app.task(base=TenantLockedTask)
+def hold(tenant_id: int, seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
