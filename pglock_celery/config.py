@@ -143,12 +143,13 @@ class PglockConfig:
     def client_bound(self) -> float:
         """Seconds after which a cut-off holder learns that its lock is lost, at most.
 
-        An idle session is checked every check_interval, and the check's
-        unacknowledged query fails after tcp_user_timeout; a session waiting on
-        a statement learns from its keepalives.
+        An idle session is checked every check_interval (the first check comes
+        within 1.25 intervals), and the check's unacknowledged query fails after
+        tcp_user_timeout; a session waiting on a statement learns from its
+        keepalives.
         """
         keepalive = self.keepalives_idle + self.keepalives_interval * self.keepalives_count
-        return max(self.check_interval + self.tcp_user_timeout, float(keepalive))
+        return max(1.25 * self.check_interval + self.tcp_user_timeout, float(keepalive))
 
     def require_dsn(self) -> str:
         """Return the DSN, or raise ConfigurationError naming where to set it."""

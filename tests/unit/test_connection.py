@@ -76,7 +76,7 @@ def test_connect_kwargs_keep_the_dsns_own_options() -> None:
 
 def test_client_detects_a_dead_peer_before_the_server_frees_the_lock() -> None:
     config = PglockConfig()
-    assert config.client_bound == 7.0
+    assert config.client_bound == 7.5
     assert config.server_bound == 15.0
     # The server's fastest way to free the lock must still come after the client knew.
     fastest_server = min(
