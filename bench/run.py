@@ -156,24 +156,28 @@ ROUNDS = 20
 
 
 def measure(dsn: str, broker: str, count: int) -> dict[str, list[float]]:
-    """``count`` cycles of every method, in interleaved rounds; seconds per cycle."""
-    made = {name: factory(dsn, broker) for name, factory in METHODS.items()}
+    """``count`` cycles of every method, in interleaved rounds; seconds per cycle.
+
+    Each round opens every method's connections afresh, and its first cycles are
+    not counted: on a small machine the latency of a connection depends on which
+    core its server process lands on, and new connections each round spread that
+    luck over all methods alike.
+    """
     samples: dict[str, list[float]] = {name: [] for name in METHODS}
     per_round = max(1, count // ROUNDS)
-    try:
-        for once, _ in made.values():  # warm up: connections, caches, plans
-            for i in range(20):
-                once(-i - 1)
-        for round_number in range(ROUNDS):
-            for name, (once, _) in made.items():
+    for round_number in range(ROUNDS):
+        for name, factory in METHODS.items():
+            once, close = factory(dsn, broker)
+            try:
+                for i in range(5):  # connect, fill caches, prepare plans: not counted
+                    once(-i - 1)
                 for i in range(per_round):
                     index = round_number * per_round + i
                     began = time.perf_counter()
                     once(index)
                     samples[name].append(time.perf_counter() - began)
-    finally:
-        for _, close in made.values():
-            close()
+            finally:
+                close()
     return samples
 
 
