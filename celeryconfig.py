@@ -36,7 +36,6 @@ task_soft_time_limit = float(os.environ.get("ORCH_SOFT_TIME_LIMIT", "60"))
 task_time_limit = float(os.environ.get("ORCH_TIME_LIMIT", "90"))
 worker_prefetch_multiplier = 1
 worker_send_task_events = True
-task_send_sent_event = True
 
 pglock_dsn = os.environ.get("PGLOCK_DSN", "host=127.0.0.1 dbname=postgres")
 
