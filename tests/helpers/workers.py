@@ -51,9 +51,9 @@ class Worker:
         )
         try:
             wait_until(self._answers, 60, f"worker {self.nodename} to answer a ping")
-        except AssertionError:
-            self.stop()
-            raise AssertionError(f"worker did not start; log:\n{self.log_tail()}") from None
+        except BaseException as exc:
+            self.stop()  # never leave a half-started worker behind
+            raise AssertionError(f"worker did not start ({exc}); log:\n{self.log_tail()}") from exc
 
     def _answers(self) -> bool:
         if self.process.poll() is not None:
