@@ -43,7 +43,10 @@ class View:
         self.progress = Progress(
             TextColumn("cycles"), BarColumn(), TextColumn("{task.completed}/{task.total}")
         )
-        self.bar = self.progress.add_task("cycles", total=args.tenants * max(args.cycles, 1))
+        # With a cycle target the bar fills towards it; without one it counts on.
+        self.bar = self.progress.add_task(
+            "cycles", total=args.tenants * args.cycles if args.cycles else None
+        )
 
     def __enter__(self) -> View:
         if not self.plain:
@@ -72,8 +75,10 @@ class View:
             for key, value in self.app.backend.client.hgetall(SKIPS_KEY).items()
         }
         fewest = min((t.completed_cycles for t in tenants), default=0)
-        target = max(self.args.cycles, 1)
-        done = sum(min(t.completed_cycles, target) for t in tenants)
+        target = self.args.cycles
+        done = sum(
+            min(t.completed_cycles, target) if target else t.completed_cycles for t in tenants
+        )
         self.progress.update(self.bar, completed=done)
         if self.plain:
             if time.monotonic() - self.last_line >= 5:
@@ -81,9 +86,10 @@ class View:
                 stages: dict[str, int] = {}
                 for t in tenants:
                     stages[t.stage] = stages.get(t.stage, 0) + 1
+                goal = f"/{self.args.tenants * target}" if target else ""
                 print(
-                    f"[{time.monotonic() - self.started:6.1f} s] cycles {done}/"
-                    f"{self.args.tenants * target} stages {stages} steps {sum(steps.values())}"
+                    f"[{time.monotonic() - self.started:6.1f} s] cycles {done}{goal}"
+                    f" stages {stages} steps {sum(steps.values())}"
                     f" skips {sum(skips.values())} kills {self.crew.kills}",
                     flush=True,
                 )
