@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from rich.console import Console, Group
 from rich.live import Live
-from rich.progress import BarColumn, Progress, TextColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from .pipeline import SKIPS_KEY
@@ -41,7 +41,7 @@ class View:
         self.live: Live | None = None
         self.last_line = 0.0
         self.progress = Progress(
-            TextColumn("cycles"), BarColumn(), TextColumn("{task.completed}/{task.total}")
+            TextColumn("cycles"), BarColumn(), MofNCompleteColumn()
         )
         # With a cycle target the bar fills towards it; without one it counts on.
         self.bar = self.progress.add_task(
