@@ -80,10 +80,12 @@ def cmd_locks(args: argparse.Namespace) -> int:
             if not args.prefix or (h.name or "").startswith(args.prefix)
         ]
     if args.json:
-        rows = [{**h.as_dict(), "held_for": _age(h.backend_start, now)} for h in holders]
+        rows = [{**h.as_dict(), "session_age": _age(h.backend_start, now)} for h in holders]
         print(json.dumps(rows, indent=2))
         return 0
-    columns = ("LOCK", "KEY", "HOST", "PID", "TASK ID", "CLIENT", "HELD SINCE", "FOR", "STATE")
+    # A session's start is when its lock was taken with the connect strategy; a
+    # reused session is older than the lock it holds now.
+    columns = ("LOCK", "KEY", "HOST", "PID", "TASK ID", "CLIENT", "SESSION SINCE", "AGE", "STATE")
     table = [
         (
             _shown_name(h),

@@ -40,9 +40,7 @@ class View:
         self.plain = args.plain or not self.console.is_terminal
         self.live: Live | None = None
         self.last_line = 0.0
-        self.progress = Progress(
-            TextColumn("cycles"), BarColumn(), MofNCompleteColumn()
-        )
+        self.progress = Progress(TextColumn("cycles"), BarColumn(), MofNCompleteColumn())
         # With a cycle target the bar fills towards it; without one it counts on.
         self.bar = self.progress.add_task(
             "cycles", total=args.tenants * args.cycles if args.cycles else None
