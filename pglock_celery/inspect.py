@@ -69,14 +69,15 @@ def parse_application_name(
     # The name may contain the separator: find how many fields it spans.
     for end in range(2, len(fields) + 1):
         candidate = FIELD_SEPARATOR.join(fields[1:end])
-        if lock_key(candidate) == key:
+        bare = candidate == f"#{key}"  # a lock taken by key, without a name
+        if bare or lock_key(candidate) == key:
             rest = fields[end:]
             if maybe_cut and rest:
                 rest = rest[:-1]
             pid = int(rest[0]) if rest and rest[0].isdigit() else None
             task_id = expand_task_id(rest[1]) if len(rest) > 1 else None
             host = rest[2] or None if len(rest) > 2 else None
-            return candidate, False, task_id, pid, host
+            return (None if bare else candidate), False, task_id, pid, host
     if maybe_cut:
         return FIELD_SEPARATOR.join(fields[1:]), True, None, None, None
     return None, False, None, None, None

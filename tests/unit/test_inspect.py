@@ -42,3 +42,8 @@ def test_foreign_sessions_are_not_misread() -> None:
     other = application_name("pglock", "tenant:1", "t", host="h")
     assert parse_application_name(other, lock_key("tenant:2"))[0] is None
     assert parse_application_name(other, lock_key("tenant:1"), prefix="other")[0] is None
+
+
+def test_a_lock_taken_by_bare_key_still_gives_its_holder() -> None:
+    app_name = application_name("pglock", "#-12345", "t", host="h")
+    assert parse_application_name(app_name, -12345) == (None, False, "t", os.getpid(), "h")
