@@ -13,11 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from celery import Celery
 
-from pglock_celery import try_lock
+from pglock_celery import LockLost, try_lock
 from tests.apps import core
+from tests.helpers.history import read_history
 from tests.helpers.services import free_port, wait_until
 from tests.helpers.workers import ROOT, Worker
 
@@ -107,3 +109,32 @@ def test_flower_shows_skips_apart_from_runs_and_counts_them(
         )
 
     wait_until(skip_counted, 30, "Flower's metrics to count the skip", 0.2)
+
+
+def test_flower_shows_a_lost_lock_as_a_failure_naming_it(
+    flower: str, events_worker: Worker, queue: str, history: str, pg_dsn: str, run_id: str
+) -> None:
+    tenant = f"{run_id}-lost"
+    step = core.chaos_step.apply_async((tenant, history, 30), queue=queue + SUFFIX)
+    run = wait_until(lambda: read_history(pg_dsn, history), 30, "the step to start")[0]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", (run.session_pid,))
+    with pytest.raises(LockLost):
+        step.get(timeout=30)
+
+    def failure_seen() -> dict[str, Any] | None:
+        task = fetch(f"{flower}/api/tasks").get(step.id)
+        return task if task and task.get("state") == "FAILURE" else None
+
+    seen = wait_until(failure_seen, 30, "Flower to see the failure", 0.2)
+    print(f"\nFlower, lost lock: {seen['exception']}")
+    assert "LockLost" in seen["exception"] and f"tenant:{tenant}" in seen["exception"]
+
+    def loss_counted() -> bool:
+        return any(
+            'type="task-lock-lost"' in line and not line.rstrip().endswith(" 0.0")
+            for line in fetch(f"{flower}/metrics").splitlines()
+            if line.startswith("flower_events_total")
+        )
+
+    wait_until(loss_counted, 30, "Flower's metrics to count the loss", 0.2)
