@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--duration", type=float, default=0, help="stop after this many seconds (0: Ctrl-C)"
     )
     parser.add_argument(
-        "--cycles", type=int, default=3, help="stop once every tenant completed this many (3)"
+        "--cycles", type=int, default=0, help="stop once every tenant completed this many"
     )
     parser.add_argument("--fast", action="store_true", help="a fast clock: seconds, not minutes")
     parser.add_argument("--chaos", action="store_true", help="kill and restart random replicas")
