@@ -32,6 +32,7 @@ class Worker:
         extra: tuple[str, ...] = (),
     ) -> None:
         self.app = app
+        self.pool = pool
         self.nodename = f"w{uuid.uuid4().hex[:8]}@pglock-tests"
         self.log = log_dir / f"{self.nodename.split('@')[0]}.log"
         command = [

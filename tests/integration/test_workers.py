@@ -190,61 +190,33 @@ def test_a_skip_releases_its_session(
     assert read_history(pg_dsn, history) == []
 
 
-THREAD_QUEUE_SUFFIX = "-threads"
-
-
-@pytest.fixture(scope="module")
-def thread_worker(app: Celery, worker_env: dict[str, str], log_dir: Path) -> Iterator[Worker]:
-    """One worker, thread pool of 4, on a queue of its own."""
-    env = {**worker_env, "PGLOCK_TEST_QUEUE": worker_env["PGLOCK_TEST_QUEUE"] + THREAD_QUEUE_SUFFIX}
-    worker = Worker(app, "tests.apps.core", env, log_dir, pool="threads", concurrency=4)
+@pytest.fixture(scope="module", params=[("threads", 4), ("gevent", 8)], ids=["threads", "gevent"])
+def pool_worker(
+    request: pytest.FixtureRequest, app: Celery, worker_env: dict[str, str], log_dir: Path
+) -> Iterator[Worker]:
+    """One worker whose pool runs several calls in one process, on a queue of its own."""
+    pool, concurrency = request.param
+    env = {**worker_env, "PGLOCK_TEST_QUEUE": f"{worker_env['PGLOCK_TEST_QUEUE']}-{pool}"}
+    worker = Worker(app, "tests.apps.core", env, log_dir, pool=pool, concurrency=concurrency)
     yield worker
     worker.stop()
 
 
-def test_threads_in_one_process_never_share_a_tenants_lock(
-    thread_worker: Worker, queue: str, history: str, pg_dsn: str, run_id: str
+def test_calls_in_one_process_never_share_a_tenants_lock(
+    pool_worker: Worker, queue: str, history: str, pg_dsn: str, run_id: str
 ) -> None:
-    """Session locks are re-entrant: one process must not let two threads in."""
-    tenant = f"{run_id}-threads"
+    """Session locks are re-entrant: threads or greenlets of one process must not both get in."""
+    pool = pool_worker.pool
+    tenant = f"{run_id}-{pool}"
     calls = [
-        core.step.apply_async((tenant, history, 0.02), queue=queue + THREAD_QUEUE_SUFFIX)
-        for _ in range(40)
+        core.step.apply_async((tenant, history, 0.02), queue=f"{queue}-{pool}") for _ in range(40)
     ]
     results = [call.get(timeout=RESULT_TIMEOUT) for call in calls]
     runs = read_history(pg_dsn, history)
     ran = [r for r in results if isinstance(r, dict) and r.get("ran")]
     skipped = [r for r in results if is_skip(r, f"tenant:{tenant}")]
-    print(f"\nthread pool: {len(ran)} ran, {len(skipped)} skipped")
+    print(f"\n{pool} pool: {len(ran)} ran, {len(skipped)} skipped")
     assert len(ran) + len(skipped) == 40
-    assert {run.worker_pid for run in runs} == {thread_worker.pid}
-    assert skipped, "no two threads ever met on the tenant: the test could not have failed"
-    assert overlaps(runs) == []
-
-
-@pytest.fixture(scope="module")
-def gevent_worker(app: Celery, worker_env: dict[str, str], log_dir: Path) -> Iterator[Worker]:
-    """One worker, gevent pool of 8 greenlets, on a queue of its own."""
-    env = {**worker_env, "PGLOCK_TEST_QUEUE": worker_env["PGLOCK_TEST_QUEUE"] + "-gevent"}
-    worker = Worker(app, "tests.apps.core", env, log_dir, pool="gevent", concurrency=8)
-    yield worker
-    worker.stop()
-
-
-def test_greenlets_in_one_process_never_share_a_tenants_lock(
-    gevent_worker: Worker, queue: str, history: str, pg_dsn: str, run_id: str
-) -> None:
-    """current_lock() and the sessions are per greenlet: one runs, the others skip."""
-    tenant = f"{run_id}-greenlets"
-    calls = [
-        core.step.apply_async((tenant, history, 0.02), queue=queue + "-gevent") for _ in range(40)
-    ]
-    results = [call.get(timeout=RESULT_TIMEOUT) for call in calls]
-    runs = read_history(pg_dsn, history)
-    ran = [r for r in results if isinstance(r, dict) and r.get("ran")]
-    skipped = [r for r in results if is_skip(r, f"tenant:{tenant}")]
-    print(f"\ngevent pool: {len(ran)} ran, {len(skipped)} skipped")
-    assert len(ran) + len(skipped) == 40
-    assert {run.worker_pid for run in runs} == {gevent_worker.pid}
-    assert skipped, "no two greenlets ever met on the tenant: the test could not have failed"
+    assert {run.worker_pid for run in runs} == {pool_worker.pid}
+    assert skipped, "no two calls ever met on the tenant: the test could not have failed"
     assert overlaps(runs) == []
