@@ -29,7 +29,7 @@ from pglock_celery.connection import redact
 
 from . import fleet
 from .services import postgres_service, redis_service
-from .view import View, make_view
+from .view import View
 
 FAST_CLOCK = {
     "ORCH_SCAN_INTERVAL": "1",
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"database {redact(dsn, dsn)}, broker {broker}, logs in {logs}", flush=True)
         started = time.monotonic()
         with started_fleet(args, env, logs) as crew:
-            view = make_view(args, crew, dsn, app, started)
+            view = View(args, crew, dsn, app, started)
             try:
                 run_until_done(args, crew, dsn, view)
             except KeyboardInterrupt:

@@ -133,7 +133,3 @@ class View:
                 str(replica.starts),
             )
         return table
-
-
-def make_view(args: argparse.Namespace, crew: Fleet, dsn: str, app: Celery, started: float) -> View:
-    return View(args, crew, dsn, app, started)
