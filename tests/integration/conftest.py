@@ -16,11 +16,15 @@ from tests.helpers.history import create_history, drop_history
 from tests.helpers.services import wait_until
 from tests.helpers.workers import Worker
 
+# Scoped to the tests' own database: a `make run`, a bench or another suite on the same
+# server keeps its sessions and locks in databases of its own.
 LEFTOVERS = """
 SELECT
   (SELECT count(*) FROM pg_stat_activity
-   WHERE application_name LIKE 'pglock|%' AND pid <> pg_backend_pid()),
-  (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid <> pg_backend_pid())
+   WHERE application_name LIKE 'pglock|%' AND pid <> pg_backend_pid()
+     AND datname = current_database()),
+  (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid <> pg_backend_pid()
+     AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
 """
 
 
