@@ -39,16 +39,23 @@ from .keys import check_key, key_to_lock_fields, lock_key
 
 logger = logging.getLogger("pglock_celery.lock")
 
-_TRY = "SELECT pg_try_advisory_lock(%s::int8)"
+# Every lock statement also records the held key in the session setting pglock.held
+# (",key,"), which guarded tables read instead of pg_locks (see guard.py).
+HELD_SETTING = "pglock.held"
+_TRY = (
+    "SELECT got, CASE WHEN got THEN set_config('pglock.held', %s, false) END"
+    " FROM pg_try_advisory_lock(%s::int8) AS got"
+)
 # A reused session takes the holder's name in the same round trip, only if it got the lock.
 _TRY_AND_NAME = (
-    "SELECT got, CASE WHEN got THEN set_config('application_name', %s, false) END"
+    "SELECT got, CASE WHEN got THEN set_config('application_name', %s, false)"
+    " || set_config('pglock.held', %s, false) END"
     " FROM pg_try_advisory_lock(%s::int8) AS got"
 )
 # Back to the cache: no advisory lock of the holder's may stay, nor its name.
 _UNLOCK_FOR_REUSE = (
     "SELECT pg_advisory_unlock(%s::int8), pg_advisory_unlock_all(),"
-    " set_config('application_name', %s, false)"
+    " set_config('application_name', %s, false), set_config('pglock.held', '', false)"
 )
 _WAIT = "SELECT pg_advisory_lock(%s::int8)"
 _UNLOCK = "SELECT pg_advisory_unlock(%s::int8)"
@@ -185,13 +192,20 @@ class AdvisoryLock:
                     "SELECT set_config('application_name', %s, false)", (self.application_name,)
                 )
             self._wait_for_lock()
+            conn.execute("SELECT set_config('pglock.held', %s, false)", (self._held_value,))
             self.acquired = True
         elif self._reuse:
-            row = conn.execute(_TRY_AND_NAME, (self.application_name, self.key)).fetchone()
+            row = conn.execute(
+                _TRY_AND_NAME, (self.application_name, self._held_value, self.key)
+            ).fetchone()
             self.acquired = bool(row and row[0])
         else:
-            row = conn.execute(_TRY, (self.key,)).fetchone()
+            row = conn.execute(_TRY, (self._held_value, self.key)).fetchone()
             self.acquired = bool(row and row[0])
+
+    @property
+    def _held_value(self) -> str:
+        return f",{self.key},"
 
     @property
     def lost_reason(self) -> str | None:
