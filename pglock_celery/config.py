@@ -72,6 +72,13 @@ def _strategy(raw: Any) -> str:
     return text
 
 
+def _pooler(raw: Any) -> str:
+    text = str(raw).strip().lower()
+    if text not in ("none", "session"):
+        raise ValueError("must be 'none' or 'session'")
+    return text
+
+
 def _whole(raw: Any) -> int:
     value = int(raw)
     if value < 0:
@@ -125,6 +132,10 @@ class PglockConfig:
     retry_countdown: float = 5.0
     #: Whether a skip looks up and reports who holds the lock (one query).
     report_holder: bool = True
+    #: "none": a lock session must be a direct connection to Postgres (anything
+    #: in between is refused); "session": it goes through a session-mode pooler
+    #: (PgBouncer pool_mode = session), which keeps one backend per client.
+    pooler: str = "none"
 
     @property
     def server_bound(self) -> float:
@@ -184,6 +195,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "idle_sessions": _whole,
     "retry_countdown": _positive_float,
     "report_holder": _boolean,
+    "pooler": _pooler,
 }
 
 #: Every setting: (app.conf key, environment variable, default).

@@ -16,19 +16,28 @@ import functools
 import math
 import os
 import re
+import secrets
 import socket
 import uuid
+from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from .config import PglockConfig
 from .exceptions import ConfigurationError, LockUnavailable
+from .sessions import LockSession, SessionConnection
 
 #: Postgres truncates application_name to NAMEDATALEN - 1 bytes.
 APPLICATION_NAME_MAX_BYTES = 63
 #: Separates the fields of a lock session's application_name.
 FIELD_SEPARATOR = "|"
+#: Starts a lock name written in base64url (see encode_name).
+ENCODED_NAME_MARK = "="
+#: A session setting carrying a per-session token in the startup options.
+SESSION_TOKEN_SETTING = "pglock.session"
+#: Ends a host name cut to fit application_name.
+CUT_HOST_MARK = "~"
 
 _URI_PASSWORD = re.compile(r"://[^/@:]*:([^/@]*)@")
 _KEYWORD_PASSWORD = re.compile(r"password\s*=\s*('(?:[^'\\]|\\.)*'|[^\s]+)")
@@ -89,18 +98,51 @@ def expand_task_id(field: str) -> str | None:
     return field
 
 
+def encode_name(name: str) -> str:
+    """Return a lock name as Postgres keeps it in application_name: printable ASCII.
+
+    Postgres replaces anything else with ``?`` (16 and later with escapes), so
+    such a name, or one starting with ``=``, is written as ``=`` + base64url.
+    """
+    if name.isascii() and name.isprintable() and not name.startswith(ENCODED_NAME_MARK):
+        return name
+    encoded = base64.urlsafe_b64encode(name.encode()).decode().rstrip("=")
+    return ENCODED_NAME_MARK + encoded
+
+
+def decode_name(field: str) -> tuple[str, bool]:
+    """Undo :func:`encode_name`; return ``(name, complete)``.
+
+    A field cut short decodes to the longest prefix that survived, with
+    ``complete`` False when the encoded form cannot be whole.
+    """
+    if not field.startswith(ENCODED_NAME_MARK):
+        return field, True
+    body = field[1:]
+    usable = len(body) - len(body) % 4 if len(body) % 4 == 1 else len(body)
+    try:
+        raw = base64.urlsafe_b64decode(body[:usable] + "=" * (-usable % 4))
+    except ValueError:
+        return "", False
+    text = raw.decode(errors="ignore")
+    return text, usable == len(body) and text.encode() == raw
+
+
 def application_name(prefix: str, lock: str, task_id: str | None, host: str | None = None) -> str:
     """Return the application_name that identifies a lock session's holder.
 
-    Fields by importance, so the 63-byte cut drops the least useful first:
-    ``prefix|lock|pid|task id|host``, the task id compacted when it is a UUID.
-    The lock name may itself contain the separator; readers check a candidate
-    name against the lock's key.
+    ``prefix|pid|task id|host|name``: who holds it comes first, so the 63-byte
+    cut only ever shortens the name (a skipping caller knows the name anyway:
+    it asked for the same key). The task id is compacted when it is a UUID; a
+    host too long for the rest is cut and ends with ``~``; the name is encoded
+    by :func:`encode_name`.
     """
     host = host if host is not None else _hostname()
-    fields = [prefix, lock, str(os.getpid()), compact_task_id(task_id), host]
-    encoded = FIELD_SEPARATOR.join(fields).encode()
-    # Cut on a character boundary: Postgres would cut bytes blindly.
+    head = FIELD_SEPARATOR.join((prefix, str(os.getpid()), compact_task_id(task_id)))
+    room = APPLICATION_NAME_MAX_BYTES - len(head) - 2  # two separators around the host
+    if len(host.encode()) > room:
+        host = host.encode()[: max(room - 1, 0)].decode(errors="ignore") + CUT_HOST_MARK
+    encoded = FIELD_SEPARATOR.join((head, host, encode_name(lock))).encode()
     return encoded[:APPLICATION_NAME_MAX_BYTES].decode(errors="ignore")
 
 
@@ -109,8 +151,9 @@ def idle_name(prefix: str) -> str:
     return f"{prefix}-idle{FIELD_SEPARATOR}{os.getpid()}"
 
 
-def _session_options(config: PglockConfig, inherited: str | None) -> str:
-    settings = {
+def _server_settings(config: PglockConfig) -> dict[str, int]:
+    """The server settings a lock session needs in force, for its own session only."""
+    return {
         "tcp_keepalives_idle": config.server_keepalives_idle,
         "tcp_keepalives_interval": config.server_keepalives_interval,
         "tcp_keepalives_count": config.server_keepalives_count,
@@ -119,11 +162,15 @@ def _session_options(config: PglockConfig, inherited: str | None) -> str:
         "idle_session_timeout": 0,
         "idle_in_transaction_session_timeout": 0,
     }
+
+
+def _session_options(config: PglockConfig, inherited: str | None, token: str) -> str:
+    settings: dict[str, object] = {**_server_settings(config), SESSION_TOKEN_SETTING: token}
     ours = " ".join(f"-c {name}={value}" for name, value in settings.items())
     return f"{inherited} {ours}" if inherited else ours
 
 
-def connect_kwargs(config: PglockConfig, app_name: str) -> dict[str, object]:
+def connect_kwargs(config: PglockConfig, app_name: str, token: str = "-") -> dict[str, object]:
     """Return the libpq parameters added to the DSN for a lock session."""
     dsn = config.require_dsn()
     try:
@@ -143,18 +190,77 @@ def connect_kwargs(config: PglockConfig, app_name: str) -> dict[str, object]:
         "keepalives_interval": config.keepalives_interval,
         "keepalives_count": config.keepalives_count,
         "tcp_user_timeout": int(config.tcp_user_timeout * 1000),
-        "options": _session_options(config, str(params.get("options") or "")),
+        "options": _session_options(config, str(params.get("options") or ""), token),
     }
 
 
-def open_session(config: PglockConfig, app_name: str) -> psycopg.Connection:
-    """Open a dedicated lock session, or raise LockUnavailable saying why."""
-    kwargs = connect_kwargs(config, app_name)
+def open_session(config: PglockConfig, app_name: str) -> LockSession:
+    """Open a dedicated lock session and prove it, or raise LockUnavailable saying why."""
+    token = secrets.token_hex(8)
+    kwargs = connect_kwargs(config, app_name, token)
     dsn = config.require_dsn()
+    where = describe_target(dsn)
     try:
-        return psycopg.Connection.connect(dsn, **kwargs)  # type: ignore[arg-type]
+        conn = SessionConnection.connect(dsn, **kwargs)  # type: ignore[arg-type]
     except psycopg.Error as exc:
         reason = " ".join(str(exc).split())
         raise LockUnavailable(
-            f"cannot open a lock session to {describe_target(dsn)}: {redact(reason, dsn)}"
+            f"cannot open a lock session to {where}: {redact(reason, dsn)}"
         ) from exc
+    try:
+        backend_pid, pooled = _verify_session(conn, config, token)
+    except psycopg.Error as exc:
+        conn.close()
+        reason = " ".join(str(exc).split())
+        raise LockUnavailable(
+            f"the lock session to {where} failed its checks: {redact(reason, dsn)}"
+        ) from exc
+    except BaseException:
+        conn.close()
+        raise
+    return LockSession(conn, dsn, backend_pid=backend_pid, pooled=pooled)
+
+
+def _verify_session(
+    conn: psycopg.Connection[Any], config: PglockConfig, token: str
+) -> tuple[int, bool]:
+    """Prove that ``conn`` is a backend of its own with our settings.
+
+    Returns the server's backend pid and whether the session goes through a pooler.
+
+    A session lock belongs to one server backend. Connected directly, the
+    backend's pid is the one libpq got at startup, and the startup options
+    (our settings and a per-session token) are in force. Anything in between
+    shows as a different pid or missing options: a transaction-mode pooler
+    would hand each statement to any backend, so that is refused unless
+    ``pglock_pooler = "session"`` says the pooler keeps one backend per client;
+    then the settings are applied with set_config and the session is never reused.
+    """
+    row = conn.execute(
+        "SELECT pg_backend_pid(), current_setting(%s, true)", (SESSION_TOKEN_SETTING,)
+    ).fetchone()
+    assert row is not None
+    backend_pid, seen = row
+    if backend_pid == conn.info.backend_pid and seen == token:
+        return backend_pid, False
+    if config.pooler != "session":
+        conn.close()
+        found = (
+            "its startup options were dropped"
+            if seen != token
+            else f"its backend pid {backend_pid} is not the pid {conn.info.backend_pid} "
+            "the connection reported"
+        )
+        raise LockUnavailable(
+            f"the lock session to {describe_target(config.require_dsn())} is not a backend "
+            f"of its own ({found}): a pooler sits in between, and a transaction-mode pooler "
+            "would lose session locks. Connect to Postgres directly, or set "
+            'pglock_pooler = "session" if it is a session-mode pooler'
+        )
+    settings = {**_server_settings(config), SESSION_TOKEN_SETTING: token}
+    calls = ", ".join("set_config(%s, %s, false)" for _ in settings)
+    params: list[object] = []
+    for name, value in settings.items():
+        params += [name, str(value)]
+    conn.execute(f"SELECT {calls}", params)
+    return backend_pid, True

@@ -55,7 +55,7 @@ def check_lock_session(dsn: str) -> Iterator[Finding]:
     """Open a real lock session: the settings it asks for must hold."""
     config = PglockConfig(dsn=dsn)
     try:
-        conn = open_session(config, application_name("pglock", "doctor-probe", None))
+        session = open_session(config, application_name("pglock", "doctor-probe", None))
     except LockUnavailable as exc:
         yield Finding(
             "lock session",
@@ -65,7 +65,7 @@ def check_lock_session(dsn: str) -> Iterator[Finding]:
             "it refuses the session settings and splits a session across backends)",
         )
         return
-    with conn:
+    with session.conn as conn:
         wrong = []
         if _show(conn, "idle_session_timeout") != "0":
             wrong.append("idle_session_timeout")

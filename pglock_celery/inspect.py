@@ -8,7 +8,12 @@ from typing import Any
 
 import psycopg
 
-from .connection import APPLICATION_NAME_MAX_BYTES, FIELD_SEPARATOR, expand_task_id
+from .connection import (
+    APPLICATION_NAME_MAX_BYTES,
+    FIELD_SEPARATOR,
+    decode_name,
+    expand_task_id,
+)
 from .keys import key_to_lock_fields, lock_fields_to_key, lock_key
 
 # Advisory locks are per database; a bigint key shows as classid/objid with
@@ -55,32 +60,30 @@ def parse_application_name(
 ) -> tuple[str | None, bool, str | None, int | None, str | None]:
     """Split a lock session's application_name into its fields.
 
-    Returns ``(name, name_truncated, task_id, worker_pid, worker_host)``. The
+    Returns ``(name, name_truncated, task_id, worker_pid, worker_host)`` from
+    ``prefix|pid|task id|host|name`` (see connection.application_name). The
     name is accepted only when it hashes to ``key``; a name cut by the 63-byte
-    limit comes back as the prefix that survived, with ``name_truncated``, and
-    a field the cut may have shortened is dropped rather than shown wrong.
+    limit comes back as the prefix that survived, with ``name_truncated``.
     Sessions not opened by pglock (another prefix, hand-rolled code) yield
     ``(None, False, None, None, None)``.
     """
-    fields = app_name.split(FIELD_SEPARATOR)
-    if len(fields) < 2 or (prefix is not None and fields[0] != prefix):
+    fields = app_name.split(FIELD_SEPARATOR, 4)
+    if len(fields) < 4 or (prefix is not None and fields[0] != prefix):
         return None, False, None, None, None
-    maybe_cut = len(app_name.encode()) > APPLICATION_NAME_MAX_BYTES - 4
-    # The name may contain the separator: find how many fields it spans.
-    for end in range(2, len(fields) + 1):
-        candidate = FIELD_SEPARATOR.join(fields[1:end])
-        bare = candidate == f"#{key}"  # a lock taken by key, without a name
-        if bare or lock_key(candidate) == key:
-            rest = fields[end:]
-            if maybe_cut and rest:
-                rest = rest[:-1]
-            pid = int(rest[0]) if rest and rest[0].isdigit() else None
-            task_id = expand_task_id(rest[1]) if len(rest) > 1 else None
-            host = rest[2] or None if len(rest) > 2 else None
-            return (None if bare else candidate), False, task_id, pid, host
-    if maybe_cut:
-        return FIELD_SEPARATOR.join(fields[1:]), True, None, None, None
-    return None, False, None, None, None
+    if not fields[1].isdigit():
+        return None, False, None, None, None
+    pid, task_id = int(fields[1]), expand_task_id(fields[2])
+    host = fields[3] or None
+    if len(fields) < 5:
+        return None, False, task_id, pid, None  # cut inside the host: better unknown
+    name, complete = decode_name(fields[4])
+    if name == f"#{key}":
+        return None, False, task_id, pid, host  # a lock taken by key, without a name
+    if complete and lock_key(name) == key:
+        return name, False, task_id, pid, host
+    if len(app_name.encode()) >= APPLICATION_NAME_MAX_BYTES - 4:
+        return name or None, True, task_id, pid, host
+    return None, False, task_id, pid, host
 
 
 def _iso(value: dt.datetime | None) -> str | None:

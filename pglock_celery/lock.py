@@ -1,24 +1,33 @@
 """The advisory lock: try or wait, held(), ensure_held(), release, loss detection.
 
-Each lock has a session to itself from acquire to release: a new one
-(strategy ``connect``) or one checked out of this process's idle lock
-sessions (``reuse``, see sessions.py). Session-level advisory locks are
-re-entrant within a session, so two holders sharing a session would both get
-in; one holder per session rules that out.
+Each granted acquire is a *hold*: the lock's session from grant to release,
+with its own loss state, so nothing of an earlier hold (a released one, one on
+a session that died while cached) can leave a later one unmonitored. A hold
+has its session to itself (strategy ``connect`` opens one, ``reuse`` checks
+one out of this process's idle sessions, see sessions.py): session-level
+advisory locks are re-entrant within a session, so two holders on one session
+would both get in.
 
-While a lock is held past one check interval, a monitor thread checks its
-session whenever the session is idle: alive, still holding the lock, on a
-primary. A loss is logged, marks the lock lost (``ensure_held``, ``sleep`` and
-release raise LockLost) and is handed to the holder's loss handler.
+While a hold lasts past one check interval, a monitor thread checks its
+session whenever no statement is running on it, atomically with respect to
+the holder (both go through the session's guard). Between statements with no
+transaction open it asks the server (alive, still holding the lock, a
+primary); inside the body's transaction it reads the socket only, which tells
+when the server ended the session, without disturbing the transaction. A loss
+is logged, marks the hold lost (``ensure_held``, ``sleep`` and release raise
+LockLost) and is handed to the holder's loss handler.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from contextvars import ContextVar
 from types import TracebackType
@@ -33,32 +42,37 @@ from psycopg.pq import TransactionStatus
 from . import sessions
 from .config import PglockConfig, get_config
 from .connection import application_name, idle_name, open_session
-from .exceptions import LockLost, LockTimeout, LockUnavailable
+from .exceptions import LockLost, LockNameError, LockTimeout, LockUnavailable
 from .inspect import Holder, find_holder
 from .keys import check_key, key_to_lock_fields, lock_key
 
 logger = logging.getLogger("pglock_celery.lock")
 
-# Every lock statement also records the held key in the session setting pglock.held
-# (",key,"), which guarded tables read instead of pg_locks (see guard.py).
+#: The session setting where a lock session records the keys it holds, as
+#: ``,key,``; guarded tables read it instead of pg_locks (see guard.py).
 HELD_SETTING = "pglock.held"
+
+# Takes the lock and, only if it got it, names the session after its holder and
+# records the key; the backend pid proves the statement ran on the session's backend.
 _TRY = (
-    "SELECT got, CASE WHEN got THEN set_config('pglock.held', %s, false) END"
+    "SELECT got, pg_backend_pid(), CASE WHEN got THEN"
+    " set_config('application_name', %s, false) || set_config('pglock.held', %s, false) END"
     " FROM pg_try_advisory_lock(%s::int8) AS got"
 )
-# A reused session takes the holder's name in the same round trip, only if it got the lock.
-_TRY_AND_NAME = (
-    "SELECT got, CASE WHEN got THEN set_config('application_name', %s, false)"
-    " || set_config('pglock.held', %s, false) END"
-    " FROM pg_try_advisory_lock(%s::int8) AS got"
+_WAIT = "SELECT pg_advisory_lock(%s::int8)"
+_SET_TIMEOUT = "SELECT current_setting('lock_timeout'), set_config('lock_timeout', %s, false)"
+# NULL leaves lock_timeout as it is; else the value it had before the wait.
+_AFTER_WAIT = (
+    "SELECT pg_backend_pid(), set_config('application_name', %s, false),"
+    " set_config('pglock.held', %s, false),"
+    " set_config('lock_timeout', coalesce(%s::text, current_setting('lock_timeout')), false)"
 )
+_UNLOCK = "SELECT pg_advisory_unlock(%s::int8)"
 # Back to the cache: no advisory lock of the holder's may stay, nor its name.
 _UNLOCK_FOR_REUSE = (
     "SELECT pg_advisory_unlock(%s::int8), pg_advisory_unlock_all(),"
     " set_config('application_name', %s, false), set_config('pglock.held', '', false)"
 )
-_WAIT = "SELECT pg_advisory_lock(%s::int8)"
-_UNLOCK = "SELECT pg_advisory_unlock(%s::int8)"
 # One round trip: is the server a primary, and does this session hold the key?
 _CHECK = """
 SELECT pg_is_in_recovery(), EXISTS (
@@ -69,9 +83,8 @@ SELECT pg_is_in_recovery(), EXISTS (
     AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
 )
 """
-
-#: Called from the monitor thread when a held lock is found lost.
-LossHandler = Callable[["AdvisoryLock", str], None]
+#: Postgres keeps lock_timeout in milliseconds in an int.
+MAX_TIMEOUT = (2**31 - 1) / 1000
 
 _current: ContextVar[AdvisoryLock | None] = ContextVar("pglock_current_lock", default=None)
 
@@ -79,20 +92,175 @@ _current: ContextVar[AdvisoryLock | None] = ContextVar("pglock_current_lock", de
 def current_lock() -> AdvisoryLock | None:
     """Return the lock held by the task body running here, else None.
 
-    Kept in a context variable: each thread, greenlet and process sees its own.
+    Kept in a context variable: each thread, greenlet and process sees its own
+    (a forked child does not inherit its parent's lock).
     """
-    return _current.get()
+    lock = _current.get()
+    if lock is None or not lock.acquired:
+        return None
+    return lock
+
+
+def check_lock_name(name: str) -> str:
+    """Return ``name`` if it can name a lock, else raise LockNameError saying why."""
+    if not isinstance(name, str):
+        raise LockNameError(f"a lock name must be a str, not {type(name).__name__}")
+    if not name:
+        raise LockNameError("a lock name may not be empty")
+    if "\x00" in name:
+        raise LockNameError(f"lock name {name!r} holds a NUL character, which Postgres refuses")
+    return name
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    """Return a wait timeout in seconds if Postgres can apply it, else raise ValueError."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ValueError(f"lock timeout must be a number of seconds, not {timeout!r}")
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"lock timeout must be 0 or more seconds, got {timeout!r}")
+    if timeout > MAX_TIMEOUT:
+        raise ValueError(
+            f"lock timeout must be at most {MAX_TIMEOUT:.0f} s (Postgres' lock_timeout), "
+            f"got {timeout!r}; use None to wait without a bound"
+        )
+    return float(timeout)
 
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
+class Hold:
+    """One holding of a lock, from its grant to its release: what the monitor watches.
+
+    It never refers back to its AdvisoryLock, so a lock dropped without
+    release can be collected, and its finalizer frees the session.
+    """
+
+    def __init__(
+        self,
+        lock: AdvisoryLock,
+        session: sessions.LockSession,
+        on_lost: LossHandler | None,
+    ) -> None:
+        self.session = session
+        self.key = lock.key
+        self.label = lock.label
+        self.application_name = lock.application_name
+        self.task_id = lock.task_id
+        self.config = lock.config
+        self.on_lost = on_lost
+        self.since = time.monotonic()
+        #: Why the lock was found lost, or None.
+        self.lost: str | None = None
+        #: Set at release, or when the lock is found lost.
+        self.changed = threading.Event()
+        self.ended = False
+        self.handle: psycopg.Connection[Any] | None = None
+
+    def end(self) -> None:
+        self.ended = True
+        self.changed.set()
+
+    def check(self, *, wait: bool) -> str | None:
+        """Return why the lock is lost, or None while it is held (or cannot be asked).
+
+        Runs under the session's guard, so no statement of the holder can start
+        in between; with ``wait`` False it gives up at once when one is running
+        (the holder will see any failure of the session itself).
+        """
+        session = self.session
+        if not session.guard.acquire(blocking=wait):
+            return None
+        try:
+            if self.ended or self.lost is not None:
+                return self.lost
+            status = session.pgconn.transaction_status
+            if status == TransactionStatus.IDLE:
+                try:
+                    row = session.conn.execute(_CHECK, key_to_lock_fields(self.key)).fetchone()
+                except psycopg.Error as exc:
+                    return f"the lock session failed: {_one_line(exc)}"
+                assert row is not None
+                if row[0]:
+                    return "the server is in recovery (a failover?)"
+                if not row[1]:
+                    return "the session no longer holds the lock"
+                return None
+            if status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
+                if not session.alive():
+                    return "the lock session failed: the server closed it"
+                return None
+            if session.closed:
+                return "the lock session failed: it is closed"
+            return None  # a statement of the holder's is under way
+        finally:
+            session.guard.release()
+
+    def mark_lost(self, reason: str) -> None:
+        """Record a loss once: log it, end a session that lives on without the lock, tell."""
+        session = self.session
+        with session.guard:
+            if self.lost is not None or self.ended:
+                return
+            self.lost = reason
+            self.changed.set()
+            if not session.closed and "session failed" not in reason:
+                # Alive but without the lock (or on a standby): end the session,
+                # so that no further write of this holder can commit.
+                with contextlib.suppress(psycopg.Error):
+                    session.conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        logger.error(
+            "lock %s lost by %s: %s",
+            self.label,
+            self.application_name,
+            reason,
+            extra={
+                "lock": self.label,
+                "key": self.key,
+                "task_id": self.task_id,
+                "holder": self.application_name,
+                "reason": reason,
+            },
+        )
+        if self.on_lost is not None:
+            self.on_lost(self, reason)
+
+    def monitor(self) -> None:
+        """Check the session every check interval until release or loss."""
+        while not self.ended and self.lost is None:
+            try:
+                reason = self.check(wait=False)
+                if reason is not None:
+                    self.mark_lost(reason)
+                    return
+            except Exception:
+                logger.exception("lock %s: the loss check failed", self.label)
+            if self.changed.wait(self.config.check_interval):
+                return
+
+
+#: Called from the monitor thread when a held lock is found lost.
+LossHandler = Callable[[Hold, str], None]
+
+
+def _abandon(session: sessions.LockSession, hold: Hold | None) -> None:
+    """Free what a lock object dropped without release still had: close its session."""
+    if hold is not None:
+        hold.end()
+        _scheduler.unwatch(hold)
+    if session.pid == os.getpid():
+        session.revoke("the lock was dropped without release")
+        sessions.discard(session)
+
+
 class AdvisoryLock:
     """A session-level Postgres advisory lock on a dedicated connection.
 
-    Use it through :func:`try_lock` or :func:`wait_lock`. Not thread-safe:
-    one lock belongs to one caller.
+    Use it through :func:`try_lock` or :func:`wait_lock`. One object belongs to
+    one caller; it may be acquired again after a failed try or a release.
     """
 
     def __init__(
@@ -106,25 +274,21 @@ class AdvisoryLock:
         on_lost: LossHandler | None = None,
     ) -> None:
         if isinstance(name_or_key, str):
-            self.name: str | None = name_or_key
+            self.name: str | None = check_lock_name(name_or_key)
             self.key: int = lock_key(name_or_key)
         else:
             self.name = None
             self.key = check_key(name_or_key)
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"lock timeout must be >= 0 seconds, got {timeout}")
-        self.acquired = False
-        self._config = config
+        self.config = config
+        self.task_id = task_id
+        self.application_name = application_name(config.application_name, self.label, task_id)
         self._wait = wait
-        self._timeout = timeout
-        self._task_id = task_id
+        self._timeout = check_timeout(timeout)
         self._on_lost = on_lost
-        self._conn: psycopg.Connection | None = None
-        self._reuse = False
-        self.application_name = ""
-        self._lost: str | None = None
-        self._lost_event = threading.Event()
-        self._stop_monitor = threading.Event()
+        self._reuse = config.strategy == sessions.REUSE
+        self._session: sessions.LockSession | None = None
+        self._hold: Hold | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
     def label(self) -> str:
@@ -132,11 +296,36 @@ class AdvisoryLock:
         return self.name if self.name is not None else f"#{self.key}"
 
     @property
-    def connection(self) -> psycopg.Connection:
-        """The lock's own autocommit connection, while the lock is held."""
-        if self._conn is None or not self.acquired:
+    def acquired(self) -> bool:
+        """Whether this process holds the lock through this object now."""
+        hold = self._hold
+        return hold is not None and hold.session.pid == os.getpid()
+
+    @property
+    def connection(self) -> psycopg.Connection[Any]:
+        """The lock's own autocommit connection, while the lock is held.
+
+        A handle of this holder's only: it starts with every client-side
+        attribute at its default, and every statement through it (or a cursor
+        made from it) fails once the lock is released.
+        """
+        hold = self._hold
+        if hold is None:
             raise LockLost(f"lock {self.label} is not held: it has no connection")
-        return self._conn
+        if hold.session.pid != os.getpid():
+            raise LockLost(
+                f"lock {self.label} is held by process {hold.session.pid}, not by this "
+                "forked child: its connection is not this process's to use"
+            )
+        if hold.handle is None:
+            with hold.session.guard:
+                hold.handle = hold.session.handle()
+        return hold.handle
+
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the lock was found lost while held, or None."""
+        return self._hold.lost if self._hold is not None else None
 
     def __repr__(self) -> str:
         state = "held" if self.acquired else "not held"
@@ -148,166 +337,83 @@ class AdvisoryLock:
         Raises LockUnavailable when no session can be opened or used, and
         LockTimeout when a waiting lock is not granted within its timeout.
         """
-        if self._conn is not None:
-            raise RuntimeError(f"lock {self.label} was already acquired once")
-        self.application_name = application_name(
-            self._config.application_name, self.label, self._task_id
-        )
-        self._reuse = self._config.strategy == sessions.REUSE
-        cached = sessions.take(self._config) if self._reuse else None
-        if cached is not None:
+        if self._hold is not None:
+            raise RuntimeError(f"lock {self.label} is already held by this object")
+        session = self._session  # kept from a failed try, for polling
+        self._session = None
+        if session is None and self._reuse:
+            session = sessions.take(self.config)
+        got = False
+        if session is not None:
             try:
-                self._lock_on(cached)
+                got = self._lock_on(session)
             except psycopg.Error:
                 # An idle session that died or went wrong meanwhile: it held
                 # nothing, so a fresh one may take its place.
-                self._close()
+                sessions.discard(session)
+                session = None
             except BaseException:
-                self._close()
+                sessions.discard(session)
                 raise
-        if self._conn is None:
-            startup_name = idle_name(self._config.application_name) if self._reuse else None
-            conn = open_session(self._config, startup_name or self.application_name)
-            sessions.register(conn)
+        if session is None:
+            startup = idle_name(self.config.application_name) if self._reuse else None
+            session = open_session(self.config, startup or self.application_name)
+            sessions.register(session)
             try:
-                self._lock_on(conn)
+                got = self._lock_on(session)
             except psycopg.Error as exc:
-                self._close()
+                sessions.discard(session)
                 raise LockUnavailable(
                     f"lock {self.label}: the lock session failed while locking: {_one_line(exc)}"
                 ) from exc
             except BaseException:
-                self._close()
+                sessions.discard(session)
                 raise
-        if self.acquired:
-            _scheduler.watch(self)
-        return self.acquired
+        self._session = session
+        if got:
+            self._hold = Hold(self, session, self._on_lost)
+            _scheduler.watch(self._hold)
+        self._finalizer = weakref.finalize(self, _abandon, session, self._hold)
+        return got
 
-    def _lock_on(self, conn: psycopg.Connection) -> None:
-        """Take the lock on ``conn`` (a fresh or a cached session)."""
-        self._conn = conn
-        if self._wait:
-            if self._reuse:
-                conn.execute(
-                    "SELECT set_config('application_name', %s, false)", (self.application_name,)
-                )
-            self._wait_for_lock()
-            conn.execute("SELECT set_config('pglock.held', %s, false)", (self._held_value,))
-            self.acquired = True
-        elif self._reuse:
-            row = conn.execute(
-                _TRY_AND_NAME, (self.application_name, self._held_value, self.key)
-            ).fetchone()
-            self.acquired = bool(row and row[0])
-        else:
-            row = conn.execute(_TRY, (self._held_value, self.key)).fetchone()
-            self.acquired = bool(row and row[0])
-
-    @property
-    def _held_value(self) -> str:
-        return f",{self.key},"
-
-    @property
-    def lost_reason(self) -> str | None:
-        """Why the lock was found lost while held, or None."""
-        return self._lost
-
-    def _start_monitor(self) -> None:
-        """Check the session from now on, every check interval, until release."""
-        if self._stop_monitor.is_set() or not self.acquired:
-            return
-        thread = threading.Thread(
-            target=self._monitor, name=f"pglock-monitor {self.label}", daemon=True
-        )
-        thread.start()
-
-    def _monitor(self) -> None:
-        while self._lost is None and not self._stop_monitor.is_set():
-            self._check_idle_session()
-            if self._stop_monitor.wait(self._config.check_interval):
-                return
-
-    def _check_idle_session(self) -> None:
-        """Check the session when nothing else uses it; a busy one reports its own errors."""
-        conn = self._conn
-        if conn is None or conn.lock.locked():
-            return
-        if conn.info.transaction_status != TransactionStatus.IDLE:
-            return  # inside the body's transaction: its own statements will fail
-        try:
-            recovery, held = self._ask(conn)
-        except psycopg.Error as exc:
-            if self._stop_monitor.is_set():
-                return  # released meanwhile: the session was closed on purpose
-            self._mark_lost(f"the lock session failed: {_one_line(exc)}")
-            return
-        if recovery:
-            self._mark_lost("the server is in recovery (a failover?)")
-        elif not held:
-            self._mark_lost("the session no longer holds the lock")
-
-    def _ask(self, conn: psycopg.Connection) -> tuple[bool, bool]:
-        row = conn.execute(_CHECK, key_to_lock_fields(self.key)).fetchone()
-        assert row is not None
-        return bool(row[0]), bool(row[1])
-
-    def _mark_lost(self, reason: str) -> None:
-        if self._lost is not None or self._stop_monitor.is_set():
-            return
-        self._lost = reason
-        self._lost_event.set()
-        logger.error(
-            "lock %s lost by %s: %s",
-            self.label,
-            self.application_name,
-            reason,
-            extra={
-                "lock": self.label,
-                "key": self.key,
-                "task_id": self._task_id,
-                "holder": self.application_name,
-                "reason": reason,
-            },
-        )
-        conn = self._conn
-        if conn is not None and not conn.closed and "session failed" not in reason:
-            # Alive but without the lock (or on a standby): end the session, so
-            # that no further write of this holder can commit.
-            with contextlib.suppress(psycopg.Error):
-                conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
-        if self._on_lost is not None:
-            self._on_lost(self, reason)
-
-    def sleep(self, seconds: float) -> None:
-        """Sleep, but raise LockLost as soon as the lock is found lost."""
-        if not self.acquired:
-            raise LockLost(f"lock {self.label} is not held")
-        if self._lost_event.wait(seconds):
-            raise LockLost(f"lock {self.label} was lost: {self._lost}")
-
-    def _wait_for_lock(self) -> None:
-        assert self._conn is not None
-        if self._timeout is None:
-            self._conn.execute(_WAIT, (self.key,))
-            return
-        # lock_timeout = 0 means "forever" to Postgres: wait at least 1 ms.
-        millis = max(1, round(self._timeout * 1000))
-        self._conn.execute("SELECT set_config('lock_timeout', %s, false)", (f"{millis}ms",))
-        try:
-            self._conn.execute(_WAIT, (self.key,))
-        except pg_errors.LockNotAvailable:
-            self._close()
-            raise LockTimeout(
-                f"lock {self.label} not obtained within {self._timeout:g} s"
-            ) from None
-        self._conn.execute("RESET lock_timeout")
+    def _lock_on(self, session: sessions.LockSession) -> bool:
+        """Take the lock on ``session`` (a fresh or a cached one); return whether granted."""
+        held = f",{self.key},"
+        with session.guard:
+            conn = session.conn
+            if self._wait:
+                restore = None
+                if self._timeout is not None:
+                    # lock_timeout = 0 means "forever" to Postgres: wait at least 1 ms.
+                    millis = max(1, round(self._timeout * 1000))
+                    row = conn.execute(_SET_TIMEOUT, (f"{millis}ms",)).fetchone()
+                    restore = row[0] if row else None
+                try:
+                    conn.execute(_WAIT, (self.key,))
+                except pg_errors.LockNotAvailable:
+                    raise LockTimeout(
+                        f"lock {self.label} not obtained within {self._timeout:g} s"
+                    ) from None
+                row = conn.execute(_AFTER_WAIT, (self.application_name, held, restore)).fetchone()
+                backend_pid, got = (row[0] if row else None), True
+            else:
+                row = conn.execute(_TRY, (self.application_name, held, self.key)).fetchone()
+                got, backend_pid = (bool(row[0]), row[1]) if row else (False, None)
+        if backend_pid != session.backend_pid:
+            raise LockUnavailable(
+                f"lock {self.label}: the lock statement ran on backend {backend_pid}, not on "
+                f"the session's backend {session.backend_pid}: a pooler moved the session"
+            )
+        return got
 
     def holder(self) -> Holder | None:
         """Return who holds the lock now, asked on this lock's session."""
-        if self._conn is None:
+        session = self._session
+        if session is None or session.pid != os.getpid():
             return None
         try:
-            return find_holder(self._conn, self.key)
+            with session.guard:
+                holder = find_holder(session.conn, self.key)
         except psycopg.Error as exc:
             logger.warning(
                 "lock %s: could not look up its holder: %s",
@@ -316,66 +422,104 @@ class AdvisoryLock:
                 extra={"lock": self.label, "key": self.key},
             )
             return None
+        if holder is not None and self.name is not None and holder.name != self.name:
+            # Same key, so the same name: whatever did not fit its application_name.
+            holder = dataclasses.replace(holder, name=self.name, name_truncated=False)
+        return holder
 
     def held(self) -> bool:
         """Ask Postgres whether this session still holds the lock.
 
-        A session that cannot be asked (closed, broken) holds nothing.
+        A session that cannot be asked (closed, broken) holds nothing. Inside
+        the body's transaction only the session's life can be checked without
+        disturbing the transaction; the lock lives as long as the session.
         """
-        if self._conn is None or not self.acquired or self._lost or self._conn.closed:
+        hold = self._hold
+        if hold is None or hold.lost is not None or hold.session.pid != os.getpid():
             return False
-        try:
-            recovery, held = self._ask(self._conn)
-        except psycopg.Error:
+        reason = hold.check(wait=True)
+        if reason is not None:
+            hold.mark_lost(reason)
             return False
-        return held and not recovery
+        return not hold.session.closed
 
     def ensure_held(self) -> None:
         """Raise LockLost unless Postgres confirms the lock is still held."""
-        if self._lost is not None:
-            raise LockLost(f"lock {self.label} was lost: {self._lost}")
+        hold = self._hold
+        if hold is not None and hold.lost is not None:
+            raise LockLost(f"lock {self.label} was lost: {hold.lost}")
         if not self.held():
+            hold = self._hold
+            if hold is not None and hold.lost is not None:
+                raise LockLost(f"lock {self.label} was lost: {hold.lost}")
             raise LockLost(f"lock {self.label} (key {self.key}) is no longer held")
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep, but raise LockLost as soon as the lock is found lost."""
+        hold = self._hold
+        if hold is None:
+            raise LockLost(f"lock {self.label} is not held")
+        if hold.changed.wait(seconds) and hold.lost is not None:
+            raise LockLost(f"lock {self.label} was lost: {hold.lost}")
 
     def release(self, reusable: bool = True) -> None:
         """Unlock and let the session go; idempotent.
 
-        An open transaction is rolled back first: it was made under the lock and
-        must not outlive it. Raises LockLost when the unlock shows the lock was
-        already gone (false, or a failed session). A session goes back to this
-        process's cache (strategy ``reuse``) only when ``reusable``, the unlock
-        returned true and nothing else is in doubt; otherwise it is closed,
-        which would free the lock anyway.
+        Every handle given to the holder is revoked first. An open transaction
+        is rolled back: it was made under the lock and must not outlive it.
+        Raises LockLost when the unlock shows the lock was already gone (false,
+        or a failed session). A session goes back to this process's cache
+        (strategy ``reuse``) only when ``reusable``, the unlock returned true
+        and nothing else is in doubt; otherwise it is closed, which would free
+        the lock anyway. In a forked child nothing is sent: the session is the
+        parent's.
         """
-        self._stop_monitor.set()
-        _scheduler.unwatch(self)
-        conn, self._conn = self._conn, None
-        if conn is None:
+        session, hold = self._session, self._hold
+        self._session = self._hold = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if session is None:
             return
-        was_held, self.acquired = self.acquired, False
+        if hold is not None:
+            hold.end()
+            _scheduler.unwatch(hold)
+        if session.pid != os.getpid():
+            return
         keep = False
         try:
-            if not was_held:
-                # Nothing was taken or renamed on this session.
-                keep = self._reuse and reusable
+            if hold is None:
+                keep = self._reuse and reusable  # nothing was taken on this session
                 return
-            keep = self._unlock(conn) and self._reuse and reusable
+            keep = self._unlock(session, hold) and self._reuse and reusable
+            if keep and session.handed_out:
+                try:
+                    session.conn.execute("DISCARD ALL")  # the holder's server state goes
+                except psycopg.Error:
+                    keep = False
         finally:
-            if not (keep and sessions.give_back(self._config, conn)):
-                conn.close()
+            if not (keep and sessions.give_back(self.config, session)):
+                sessions.discard(session)
 
-    def _unlock(self, conn: psycopg.Connection) -> bool:
+    def _unlock(self, session: sessions.LockSession, hold: Hold) -> bool:
         """Unlock; return whether the session may be used again, or raise LockLost."""
+        session.revoke(f"lock {self.label} was released: this connection is closed")
         clean = True
         try:
-            if conn.info.transaction_status != TransactionStatus.IDLE:
-                conn.rollback()
-                clean = False
-            if self._reuse:
-                idle = idle_name(self._config.application_name)
-                row = conn.execute(_UNLOCK_FOR_REUSE, (self.key, idle)).fetchone()
-            else:
-                row = conn.execute(_UNLOCK, (self.key,)).fetchone()
+            with session.guard:
+                status = session.pgconn.transaction_status
+                if status not in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
+                    if status == TransactionStatus.ACTIVE:
+                        # A statement still runs (another thread of the holder):
+                        # closing the session is the only clean way out.
+                        return False
+                    session.conn.rollback()
+                    clean = False
+                if self._reuse:
+                    idle = idle_name(self.config.application_name)
+                    row = session.conn.execute(_UNLOCK_FOR_REUSE, (self.key, idle)).fetchone()
+                else:
+                    row = session.conn.execute(_UNLOCK, (self.key,)).fetchone()
         except psycopg.Error as exc:
             raise LockLost(
                 f"lock {self.label}: the session failed at release, so the lock "
@@ -383,17 +527,9 @@ class AdvisoryLock:
             ) from exc
         if not (row and row[0]):
             raise LockLost(f"lock {self.label} was no longer held at release")
-        if self._lost is not None:
-            raise LockLost(f"lock {self.label} was lost while held: {self._lost}")
-        return clean
-
-    def _close(self) -> None:
-        self._stop_monitor.set()
-        _scheduler.unwatch(self)
-        conn, self._conn = self._conn, None
-        self.acquired = False
-        if conn is not None:
-            conn.close()
+        if hold.lost is not None:
+            raise LockLost(f"lock {self.label} was lost while held: {hold.lost}")
+        return clean and not session.pgconn.pipeline_status
 
     def __enter__(self) -> AdvisoryLock:
         self.acquire()
@@ -428,58 +564,70 @@ class AdvisoryLock:
 
 
 class _MonitorScheduler:
-    """Starts a held lock's monitor thread once it has been held one check interval.
+    """Starts a hold's monitor thread once it has lasted one check interval.
 
     Most steps end sooner and never pay for a thread. One scheduler thread per
-    process (started on first use, and again in a forked child) ticks every
+    process (started on first use, and anew in a forked child) ticks every
     quarter interval while locks are held, so no thread switch is paid per lock;
-    a lock's first check comes at most 1.25 intervals after it was taken.
+    a hold's first check comes at most 1.25 intervals after its grant.
     """
 
     #: Idle ticks before the thread sleeps until the next lock.
     IDLE_TICKS = 20
 
     def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        # In a forked child the parent's thread is gone, and so is whoever held the
+        # condition's lock at the fork: start from nothing.
         self._cond = threading.Condition()
-        self._held: dict[int, tuple[float, AdvisoryLock]] = {}
-        self._pid: int | None = None
+        self._held: dict[int, Hold] = {}
+        self._running = False
         self._asleep = False
         self._tick = 0.5
 
-    def watch(self, lock: AdvisoryLock) -> None:
+    def watch(self, hold: Hold) -> None:
         with self._cond:
-            if self._pid != os.getpid():
-                self._pid, self._held, self._asleep = os.getpid(), {}, False
+            if not self._running:
+                self._running, self._asleep = True, False
                 threading.Thread(target=self._run, name="pglock-monitors", daemon=True).start()
-            self._held[id(lock)] = (time.monotonic(), lock)
-            self._tick = lock._config.check_interval / 4
+            self._held[id(hold)] = hold
+            self._tick = hold.config.check_interval / 4
             if self._asleep:
                 self._cond.notify()
 
-    def unwatch(self, lock: AdvisoryLock) -> None:
+    def unwatch(self, hold: Hold) -> None:
         with self._cond:
-            self._held.pop(id(lock), None)
+            self._held.pop(id(hold), None)
 
     def _run(self) -> None:
+        cond = self._cond
         idle = 0
         while True:
-            with self._cond:
+            with cond:
+                if cond is not self._cond:
+                    return  # a forked child's copy of a thread that is not there
                 idle = 0 if self._held else idle + 1
                 if idle > self.IDLE_TICKS:
                     self._asleep = True
-                    self._cond.wait_for(lambda: bool(self._held))
+                    cond.wait_for(lambda: bool(self._held))
                     self._asleep, idle = False, 0
                 now = time.monotonic()
                 due = [
-                    lock
-                    for since, lock in self._held.values()
-                    if now - since >= lock._config.check_interval
+                    hold
+                    for hold in self._held.values()
+                    if now - hold.since >= hold.config.check_interval
                 ]
-                for lock in due:
-                    del self._held[id(lock)]
+                for hold in due:
+                    del self._held[id(hold)]
                 tick = self._tick
-            for lock in due:
-                lock._start_monitor()
+            for hold in due:
+                if not hold.ended:
+                    threading.Thread(
+                        target=hold.monitor, name=f"pglock-monitor {hold.label}", daemon=True
+                    ).start()
             time.sleep(tick)
 
 

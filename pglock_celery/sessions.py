@@ -1,58 +1,216 @@
 """Where lock sessions come from: a new one per lock, or this process's idle ones.
 
+A :class:`LockSession` is one dedicated libpq connection. The library talks to
+it through a private psycopg connection that no holder ever sees; a holder
+gets a handle of its own (:meth:`LockSession.handle`), a fresh psycopg
+connection over the same socket, so every client-side attribute starts at its
+default. At release every handle is revoked: each statement through it, or
+through a cursor made from it, fails from then on. One re-entrant lock per
+session serialises the handles, the library's statements and the monitor.
+
 Strategy ``connect`` opens a session for each lock and closes it on release.
-Strategy ``reuse`` keeps a few idle lock-only sessions per process and DSN: a
-session is checked out by one holder at a time, and goes back only after its
-unlock returned true and nothing else went wrong; any doubt closes it.
+Strategy ``reuse`` keeps a few idle sessions per process and DSN: a session is
+checked out by one holder at a time and goes back only after a clean unlock;
+a session a holder had a handle to is reset with ``DISCARD ALL`` first (its
+server-side state back to the session's start); any doubt closes it.
 
 A forked child must neither use nor close its parent's sessions: after a fork
-the child closes its copies of their sockets (so only the parent's own life
-decides when they end) and keeps the objects unfinalized, so that libpq never
-writes a goodbye on a socket the parent still uses.
+the child closes its copies of every session's socket (so only the parent's
+own life decides when they end) and keeps the objects unfinalized, so that
+libpq never writes a goodbye on a descriptor number that may be reused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import select
+import sys
 import threading
-import weakref
+from collections.abc import Generator
+from types import TracebackType
+from typing import Any
 
 import psycopg
+from psycopg import pq, waiting
 
 from .config import PglockConfig
 
 CONNECT, REUSE = "connect", "reuse"
 
+
+def _green_select() -> bool:
+    """Whether eventlet or gevent made ``select`` cooperative since psycopg was imported.
+
+    psycopg picks its wait function once, at import, and only knows gevent.
+    """
+    try:
+        eventlet = sys.modules.get("eventlet.patcher")
+        if eventlet is not None and eventlet.is_monkey_patched("select"):
+            return True
+        gevent = sys.modules.get("gevent.monkey")
+        return bool(gevent is not None and gevent.is_module_patched("select"))
+    except Exception:
+        return False
+
+
+class SessionConnection(psycopg.Connection[Any]):
+    """A psycopg connection whose waits yield to eventlet's hub when it is in use."""
+
+    def wait(
+        self,
+        gen: Generator[Any, Any, Any],
+        interval: float = 0.1,
+        timeout: float | None = None,
+    ) -> Any:
+        if _green_select():
+            # wait_c polls in C, out of the hub's reach: it would block every green thread.
+            return waiting.wait_select(gen, self.pgconn.socket, interval=interval)
+        return super().wait(gen, interval, timeout)
+
+
+class _Revoked:
+    """Stands in for a released handle's lock: every statement through it fails."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __enter__(self) -> None:
+        raise psycopg.OperationalError(self.message)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        return None
+
+    def acquire(self, *args: Any, **kwargs: Any) -> bool:
+        raise psycopg.OperationalError(self.message)
+
+    def release(self) -> None:
+        return None
+
+    def locked(self) -> bool:
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _dead_pgconn() -> pq.abc.PGconn:
+    """A libpq connection that never connected: a revoked handle's, so it reads closed."""
+    return pq.PGconn.connect_start(b"pglock_released=1")
+
+
+class LockSession:
+    """One dedicated lock session: its socket, the library's connection, its handles."""
+
+    def __init__(
+        self, conn: psycopg.Connection[Any], dsn: str, *, backend_pid: int, pooled: bool
+    ) -> None:
+        self.conn = conn
+        self.pgconn = conn.pgconn
+        #: Serialises every statement on the session, whoever sends it.
+        self.guard = threading.RLock()
+        conn.lock = self.guard  # type: ignore[assignment]
+        self.dsn = dsn
+        #: The process that opened the session: no other may use or close it.
+        self.pid = os.getpid()
+        #: The server's pid of the backend (behind a pooler, not libpq's).
+        self.backend_pid = backend_pid
+        #: Behind a session-mode pooler: never reused (see connection.verify_session).
+        self.pooled = pooled
+        self._handles: list[psycopg.Connection[Any]] = []
+        #: Whether a holder got a handle since the session was last reset.
+        self.handed_out = False
+
+    def __repr__(self) -> str:
+        return f"<LockSession backend {self.backend_pid} of process {self.pid}>"
+
+    @property
+    def closed(self) -> bool:
+        return self.pgconn.status == pq.ConnStatus.BAD
+
+    def handle(self) -> psycopg.Connection[Any]:
+        """Return a connection for the holder: pristine client state, dies at revoke."""
+        handle = SessionConnection(self.pgconn)
+        handle.lock = self.guard  # type: ignore[assignment]
+        handle.autocommit = True
+        self._handles.append(handle)
+        self.handed_out = True
+        return handle
+
+    def revoke(self, message: str) -> None:
+        """Make every handle given out so far fail on its next statement."""
+        revoked = _Revoked(message)
+        for handle in self._handles:
+            handle.lock = revoked  # type: ignore[assignment]
+            handle.pgconn = _dead_pgconn()
+        self._handles.clear()
+        # Notices of later holders must not reach a revoked handle's handlers.
+        self.pgconn.notice_handler = None
+        self.pgconn.notify_handler = None
+
+    def alive(self) -> bool:
+        """Read what the server sent unasked, without a statement; False if it hung up.
+
+        Safe in any state between statements (idle, inside the body's
+        transaction): a server that ended the session sends its error and
+        closes the socket, and a cut-off peer fails the client keepalives.
+        """
+        if self.closed:
+            return False
+        try:
+            while select.select([self.pgconn.socket], [], [], 0)[0]:
+                self.pgconn.consume_input()
+                self.pgconn.is_busy()  # parse it: a notice, or the server's FATAL
+        except (psycopg.Error, OSError, ValueError):
+            return False
+        return not self.closed
+
+    def close(self) -> None:
+        """Close the session (its locks go with it); only in the process that opened it."""
+        if self.pid == os.getpid():
+            self.conn.close()
+
+
 _guard = threading.Lock()
-_pid = os.getpid()
-_open: weakref.WeakSet[psycopg.Connection] = weakref.WeakSet()
-_idle: dict[str, list[psycopg.Connection]] = {}
+_open: set[LockSession] = set()
+_idle: dict[str, list[LockSession]] = {}
 # A child's copies of its parent's sessions: kept alive, never finalized.
-_inherited: list[psycopg.Connection] = []
+_inherited: list[LockSession] = []
 
 
-def register(conn: psycopg.Connection) -> None:
+def register(session: LockSession) -> None:
     """Track a lock session opened by this process."""
     with _guard:
-        _open.add(conn)
+        _open.add(session)
 
 
-def take(config: PglockConfig) -> psycopg.Connection | None:
+def take(config: PglockConfig) -> LockSession | None:
     """An idle session of this process for ``config``'s DSN, or None."""
     with _guard:
         stack = _idle.get(config.require_dsn())
         return stack.pop() if stack else None
 
 
-def give_back(config: PglockConfig, conn: psycopg.Connection) -> bool:
-    """Keep ``conn`` for a later lock; False (caller closes it) when enough are kept."""
+def give_back(config: PglockConfig, session: LockSession) -> bool:
+    """Keep ``session`` for a later lock; False (caller discards it) when it may not be."""
     with _guard:
         stack = _idle.setdefault(config.require_dsn(), [])
-        if len(stack) >= config.idle_sessions or os.getpid() != _pid:
+        if len(stack) >= config.idle_sessions or session.pid != os.getpid() or session.pooled:
             return False
-        stack.append(conn)
+        session.handed_out = False
+        stack.append(session)
         return True
+
+
+def discard(session: LockSession) -> None:
+    """Close a session that is not going back, and forget it."""
+    with _guard:
+        _open.discard(session)
+    session.close()
 
 
 def idle_count() -> int:
@@ -67,19 +225,20 @@ def close_idle() -> None:
         stacks = list(_idle.values())
         _idle.clear()
     for stack in stacks:
-        for conn in stack:
-            conn.close()
+        for session in stack:
+            discard(session)
 
 
 def _after_fork_in_child() -> None:
-    global _pid
-    _pid = os.getpid()
-    _idle.clear()
-    for conn in list(_open):
+    global _guard
+    # The parent's threads are gone; a lock one of them held would never be released.
+    _guard = threading.Lock()
+    for session in list(_open):
         with contextlib.suppress(OSError, psycopg.Error):
-            os.close(conn.pgconn.socket)
-        _inherited.append(conn)
+            os.close(session.pgconn.socket)
+        _inherited.append(session)
     _open.clear()
+    _idle.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

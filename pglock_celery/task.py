@@ -14,6 +14,7 @@ import inspect
 import logging
 import os
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from typing import Any, ClassVar
 
 import psycopg
@@ -27,7 +28,7 @@ from .exceptions import (
     LockTimeout,
     PglockError,
 )
-from .lock import AdvisoryLock, _current, current_lock
+from .lock import AdvisoryLock, Hold, _current, check_lock_name, check_timeout, current_lock
 
 logger = logging.getLogger("pglock_celery.task")
 
@@ -40,6 +41,10 @@ LOCK_LOST_EXIT_STATUS = 70
 
 SKIP, WAIT, RETRY = "skip", "wait", "retry"
 LOCK_MODES = (SKIP, WAIT, RETRY)
+
+# The lock of the TenantLockedTask call running in this context (None for a call
+# running under its caller's hold): what its self.retry may release.
+_this_call: ContextVar[AdvisoryLock | None] = ContextVar("pglock_this_call", default=None)
 
 
 @signals.celeryd_init.connect
@@ -72,13 +77,24 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         name = self.resolve_lock_name(args, kwargs)
         mode = self._checked_mode()
+        timeout = self._checked_timeout()
         config = get_config(self.app)
         config.require_dsn()
+        outer = current_lock()
+        if outer is not None and outer.name == name:
+            # Called inline by the body that holds this very lock (apply(), a
+            # direct call): it runs under that hold. Other threads, greenlets
+            # and processes have their own context and still exclude.
+            call_token = _this_call.set(None)
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                _this_call.reset(call_token)
         lock = AdvisoryLock(
             name,
             config=config,
             wait=mode == WAIT,
-            timeout=self.lock_timeout,
+            timeout=timeout,
             task_id=self.request.id,
             on_lost=functools.partial(
                 self._lock_lost,
@@ -87,6 +103,20 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
                 reaction=config.on_lost,
             ),
         )
+        call_token = _this_call.set(lock)
+        try:
+            return self._run_locked(lock, mode, config, args, kwargs)
+        finally:
+            _this_call.reset(call_token)
+
+    def _run_locked(
+        self,
+        lock: AdvisoryLock,
+        mode: str,
+        config: PglockConfig,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         try:
             lock.acquire()
         except PglockError as exc:
@@ -104,11 +134,12 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             try:
                 return super().__call__(*args, **kwargs)
             except psycopg.Error as exc:
-                # A failed lock session is a lost lock, whatever the statement was.
+                # A failed lock session is a lost lock, whatever the statement
+                # was; an SQL error of the body on a live session is its own.
                 if lock.lost_reason is None and lock.held():
                     raise
                 raise LockLost(
-                    f"task {self.name}: lock {name} was lost during the step: "
+                    f"task {self.name}: lock {lock.label} was lost during the step: "
                     f"{lock.lost_reason or ' '.join(str(exc).split())}"
                 ) from exc
             finally:
@@ -120,12 +151,13 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             lock.finish(error)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Release the call's lock, then retry as Celery does.
+        """Release this call's lock, then retry as Celery does.
 
         The retry message must not reach another worker while this call still
-        holds the lock, or the retry would be skipped by its own lock.
+        holds the lock, or the retry would be skipped by its own lock. Only the
+        lock of the call that retries is released, never a caller's.
         """
-        lock = current_lock()
+        lock = _this_call.get()
         if lock is not None and lock.acquired:
             try:
                 lock.release()
@@ -168,9 +200,10 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             raise LockNameError(
                 f"task {self.name}: lock name must be a str, got {type(name).__name__}"
             )
-        if not name:
-            raise LockNameError(f"task {self.name}: lock name resolved to an empty string")
-        return name
+        try:
+            return check_lock_name(name)
+        except LockNameError as exc:
+            raise LockNameError(f"task {self.name}: {exc}") from None
 
     def _format_lock_name(
         self, template: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -195,7 +228,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
                 f"{exc.args[0]!r}, which the call lacks (it has: "
                 f"{', '.join(values) or 'no arguments'})"
             ) from exc
-        except (IndexError, AttributeError, ValueError) as exc:
+        except (IndexError, AttributeError, ValueError, TypeError) as exc:
             raise LockNameError(
                 f"task {self.name}: lock_name {template!r} cannot be formatted: {exc}"
             ) from exc
@@ -211,6 +244,12 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
                 f"not {self.lock_mode!r}"
             )
         return self.lock_mode
+
+    def _checked_timeout(self) -> float | None:
+        try:
+            return check_timeout(self.lock_timeout)
+        except ValueError as exc:
+            raise ConfigurationError(f"task {self.name}: lock_timeout: {exc}") from None
 
     def _lock_busy(
         self,
@@ -260,11 +299,16 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             lock=name,
             holder=holder_info,
         )
+        # The call ends SUCCESS with its skip result, and what was to follow it
+        # (the rest of its chain, its link callbacks) does not run: the holder's
+        # step is the one that counts. Membership of a group or chord is kept.
+        self.request.chain = None
+        self.request.callbacks = None
         return self.on_lock_skipped(name, holder_info, args, kwargs)
 
     def _lock_lost(
         self,
-        lock: AdvisoryLock,
+        lock: Hold,
         reason: str,
         *,
         task_id: str | None,

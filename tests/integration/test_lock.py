@@ -31,7 +31,7 @@ def test_lock_exposes_name_key_and_an_autocommit_connection(pg_dsn: str, run_id:
         assert lock.key == lock_key(f"t:{run_id}")
         assert lock.connection.autocommit
         app_name = lock.connection.execute("SHOW application_name").fetchone()
-        assert app_name is not None and app_name[0].startswith(f"pglock|t:{run_id}|")
+        assert app_name is not None and app_name[0].endswith(f"|t:{run_id}")
 
 
 def test_lock_session_sets_its_own_safety_settings(pg_dsn: str, run_id: str) -> None:

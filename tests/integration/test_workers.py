@@ -136,7 +136,7 @@ def lock_sessions_of(dsn: str, name: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE %s",
-            (f"pglock|{name}|%",),
+            (f"pglock|%|{name}",),
         ).fetchone()
     return int(row[0]) if row else -1
 

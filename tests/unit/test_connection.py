@@ -14,19 +14,21 @@ from pglock_celery.connection import (
     application_name,
     compact_task_id,
     connect_kwargs,
+    decode_name,
     describe_target,
+    encode_name,
     expand_task_id,
     redact,
 )
 
 
-def test_application_name_carries_lock_pid_task_and_host() -> None:
+def test_application_name_carries_pid_task_host_and_lock() -> None:
     name = application_name("pglock", "tenant:42", "abc", host="w1")
-    assert name == f"pglock|tenant:42|{os.getpid()}|abc|w1"
+    assert name == f"pglock|{os.getpid()}|abc|w1|tenant:42"
 
 
 def test_application_name_marks_a_missing_task_id() -> None:
-    assert application_name("pglock", "n", None, host="h").split("|")[3] == "-"
+    assert application_name("pglock", "n", None, host="h").split("|")[2] == "-"
 
 
 def test_uuid_task_ids_are_compacted_and_restored() -> None:
@@ -37,17 +39,29 @@ def test_uuid_task_ids_are_compacted_and_restored() -> None:
     assert expand_task_id(compact_task_id("custom-id")) == "custom-id"
 
 
-def test_a_typical_tenant_lock_keeps_name_pid_and_task_id_within_63_bytes() -> None:
-    name = application_name("pglock", "training:tenant-001", str(uuid.uuid4()), host="h")
-    assert len(name.encode()) <= APPLICATION_NAME_MAX_BYTES
-    assert name.split("|")[4] == "h"
+def test_a_long_name_is_what_the_63_byte_cut_shortens_never_the_holder() -> None:
+    task_id = str(uuid.uuid4())
+    name = application_name("pglock", f"tenant:{uuid.uuid4()}", task_id, host="worker-7")
+    assert len(name.encode()) == APPLICATION_NAME_MAX_BYTES
+    assert name.split("|")[1:4] == [str(os.getpid()), compact_task_id(task_id), "worker-7"]
 
 
-def test_long_application_name_is_cut_to_63_bytes_on_a_character_boundary() -> None:
-    name = application_name("pglock", "tenant:" + "é" * 60, "task", host="h")
+def test_a_host_too_long_for_the_rest_is_cut_and_marked() -> None:
+    name = application_name("pglock", "t:1", str(uuid.uuid4()), host="h" * 80)
     assert len(name.encode()) <= APPLICATION_NAME_MAX_BYTES
-    assert name.startswith("pglock|tenant:é")
-    name.encode().decode()  # still valid UTF-8
+    host = name.split("|")[3]
+    assert host.endswith("~") and set(host[:-1]) == {"h"}
+
+
+@pytest.mark.parametrize("lock", ["tenant:é", "line\nbreak", "=looks-encoded", "租户:42", "tab\t"])
+def test_names_postgres_would_mangle_are_written_in_printable_ascii(lock: str) -> None:
+    field = encode_name(lock)
+    assert field.isascii() and field.isprintable() and "|" not in field
+    assert decode_name(field) == (lock, True)
+
+
+def test_plain_names_are_written_as_they_are() -> None:
+    assert encode_name("training:tenant-042|x") == "training:tenant-042|x"
 
 
 def test_redact_hides_passwords_in_both_dsn_forms() -> None:

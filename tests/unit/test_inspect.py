@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import uuid
 
+import pytest
+
 from pglock_celery import lock_key
 from pglock_celery.connection import application_name
 from pglock_celery.inspect import parse_application_name
@@ -17,28 +19,36 @@ def test_full_application_name_gives_every_field() -> None:
     assert parsed == ("tenant:42", False, task, os.getpid(), "w1")
 
 
-def test_a_field_the_cut_may_have_shortened_is_dropped() -> None:
-    name = "training:" + "t" * 20
-    app_name = application_name("pglock", name, str(uuid.uuid4()), host="a-long-host-name")
+def test_a_uuid_sized_name_still_gives_task_pid_and_host() -> None:
+    task, name = str(uuid.uuid4()), f"tenant:{uuid.uuid4()}"
+    app_name = application_name("pglock", name, task, host="worker-7")
     parsed = parse_application_name(app_name, lock_key(name))
-    assert parsed[0] == name and parsed[3] == os.getpid()
-    assert parsed[4] is None  # the host was cut: better unknown than wrong
+    assert parsed[1:] == (True, task, os.getpid(), "worker-7")
+    assert name.startswith(str(parsed[0]))
 
 
-def test_a_name_holding_the_separator_is_recovered_by_its_key() -> None:
+def test_a_name_holding_the_separator_is_recovered_whole() -> None:
     app_name = application_name("pglock", "a|b", "t", host="h")
     assert parse_application_name(app_name, lock_key("a|b"))[:3] == ("a|b", False, "t")
 
 
-def test_a_name_cut_at_63_bytes_comes_back_as_a_marked_prefix() -> None:
-    long_name = "tenant:" + "x" * 80
-    app_name = application_name("pglock", long_name, "t", host="h")
-    name, truncated, task_id, _, _ = parse_application_name(app_name, lock_key(long_name))
-    assert truncated and long_name.startswith(str(name)) and task_id is None
+@pytest.mark.parametrize("name", ["tenant:é", "租户:42", "line\nbreak"])
+def test_a_name_of_any_script_round_trips(name: str) -> None:
+    app_name = application_name("pglock", name, "t", host="h")
+    assert parse_application_name(app_name, lock_key(name)) == (name, False, "t", os.getpid(), "h")
+
+
+def test_a_cut_encoded_name_comes_back_as_a_marked_prefix() -> None:
+    name = "租户:" + "é" * 40
+    app_name = application_name("pglock", name, "t", host="h")
+    parsed, truncated, task_id, _, host = parse_application_name(app_name, lock_key(name))
+    assert truncated and name.startswith(str(parsed)) and len(str(parsed)) > 3
+    assert (task_id, host) == ("t", "h")
 
 
 def test_foreign_sessions_are_not_misread() -> None:
     assert parse_application_name("psql", 1) == (None, False, None, None, None)
+    assert parse_application_name("a|b|c|d|e", 1) == (None, False, None, None, None)
     other = application_name("pglock", "tenant:1", "t", host="h")
     assert parse_application_name(other, lock_key("tenant:2"))[0] is None
     assert parse_application_name(other, lock_key("tenant:1"), prefix="other")[0] is None
