@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import select
+import socket
 import sys
 import threading
 from collections.abc import Generator
@@ -38,6 +38,11 @@ from psycopg import pq, waiting
 from .config import PglockConfig
 
 CONNECT, REUSE = "connect", "reuse"
+
+#: How much of what the server sent unasked is looked at (a notice or two, an error).
+_PEEK_BYTES = 8192
+#: The protocol's ErrorResponse: unasked, it is the server ending the session.
+_ERROR_MESSAGE = b"E"
 
 
 def _green_select() -> bool:
@@ -153,26 +158,50 @@ class LockSession:
         self.pgconn.notify_handler = None
 
     def alive(self) -> bool:
-        """Read what the server sent unasked, without a statement; False if it hung up.
+        """Whether the server still has the session, read from the socket without a statement.
 
         Safe in any state between statements (idle, inside the body's
-        transaction): a server that ended the session sends its error and
-        closes the socket, and a cut-off peer fails the client keepalives.
+        transaction): it only peeks, so libpq and the body's transaction see
+        exactly what they would have seen. A server that ended the session
+        sent an error and closed the socket; a cut-off peer fails the client
+        keepalives, which errors the socket.
         """
         if self.closed:
             return False
         try:
-            while select.select([self.pgconn.socket], [], [], 0)[0]:
-                self.pgconn.consume_input()
-                self.pgconn.is_busy()  # parse it: a notice, or the server's FATAL
-        except (psycopg.Error, OSError, ValueError):
+            sock = socket.socket(fileno=self.pgconn.socket)
+        except (psycopg.Error, OSError):
             return False
-        return not self.closed
+        try:
+            pending = sock.recv(_PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True  # nothing arrived: the usual case
+        except OSError:
+            return False  # reset, or keepalives found the peer gone
+        finally:
+            sock.detach()
+        if not pending:
+            return False  # the server closed the connection
+        if self.pgconn.ssl_in_use:
+            # Unasked data between statements is the server's goodbye in practice
+            # (notifications wait for the end of a transaction); encrypted, it
+            # cannot be read without consuming it.
+            return self.pgconn.transaction_status == pq.TransactionStatus.IDLE
+        return _ERROR_MESSAGE not in _message_types(pending)
 
     def close(self) -> None:
         """Close the session (its locks go with it); only in the process that opened it."""
         if self.pid == os.getpid():
             self.conn.close()
+
+
+def _message_types(data: bytes) -> list[bytes]:
+    """The type bytes of the protocol messages that start ``data`` (type, int32 length)."""
+    types, at = [], 0
+    while at + 5 <= len(data):
+        types.append(data[at : at + 1])
+        at += 1 + int.from_bytes(data[at + 1 : at + 5], "big")
+    return types
 
 
 _guard = threading.Lock()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +15,8 @@ import pytest
 from pglock_celery import lock_key, try_lock
 from tests.apps import core
 from tests.helpers.history import Run, read_history
-from tests.helpers.services import EmbeddedPostgres, free_port, wait_until
+from tests.helpers.pgbouncer import pgbouncer
+from tests.helpers.services import EmbeddedPostgres, wait_until
 from tests.helpers.workers import Worker
 
 PASSWORD = "cli-s3cret"
@@ -158,53 +157,8 @@ def test_missing_dsn_is_a_usage_error() -> None:
 @pytest.fixture
 def transaction_pooler(pg_dsn: str, tmp_path: Path) -> Iterator[str]:
     """PgBouncer in transaction mode in front of the test server."""
-    binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
-    if not Path(binary).exists():
-        pytest.fail("pgbouncer is not installed (make test installs it from Debian's packages)")
-    params = psycopg.conninfo.conninfo_to_dict(pg_dsn)
-    port = free_port()
-    (tmp_path / "users.txt").write_text(f'"{params.get("user", "postgres")}" ""\n')
-    (tmp_path / "pgbouncer.ini").write_text(
-        "[databases]\n"
-        f"* = host={params.get('host', '127.0.0.1')} port={params.get('port', 5432)}\n"
-        "[pgbouncer]\n"
-        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
-        f"auth_type = trust\nauth_file = {tmp_path / 'users.txt'}\n"
-        "pool_mode = transaction\ndefault_pool_size = 4\n"
-    )
-    tmp_path.chmod(0o755)
-    command = [binary, str(tmp_path / "pgbouncer.ini")]
-    if os.geteuid() == 0:
-        command[1:1] = ["-u", "postgres" if _has_user("postgres") else "nobody"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    dsn = psycopg.conninfo.make_conninfo(**{**params, "port": str(port)})  # type: ignore[arg-type]
-
-    def answers() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"pgbouncer exited: {process.stderr.read()!r}")  # type: ignore[union-attr]
-        try:
-            with psycopg.connect(dsn, connect_timeout=2, prepare_threshold=None):
-                return True
-        except psycopg.Error:
-            return False
-
-    try:
-        wait_until(answers, 20, "pgbouncer")
+    with pgbouncer(pg_dsn, tmp_path, mode="transaction") as dsn:
         yield dsn
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(10)
-        process.stderr.close()  # type: ignore[union-attr]
-
-
-def _has_user(name: str) -> bool:
-    import pwd
-
-    try:
-        pwd.getpwnam(name)
-        return True
-    except KeyError:
-        return False
 
 
 def test_doctor_fails_behind_a_transaction_pooler(transaction_pooler: str) -> None:
