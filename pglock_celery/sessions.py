@@ -115,6 +115,9 @@ class LockSession:
         self, conn: psycopg.Connection[Any], dsn: str, *, backend_pid: int, pooled: bool
     ) -> None:
         self.conn = conn
+        # Never prepared: holders' handles name their prepared statements the same
+        # way, and DISCARD ALL drops them all.
+        conn.prepare_threshold = None
         self.pgconn = conn.pgconn
         #: Serialises every statement on the session, whoever sends it.
         self.guard = threading.RLock()

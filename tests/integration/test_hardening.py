@@ -520,3 +520,13 @@ def test_one_lock_object_may_poll_until_it_gets_the_lock(pg_dsn: str, run_id: st
         poller.acquire()
     poller.release()
     assert free_elsewhere(pg_dsn, f"a:{run_id}")
+
+
+def test_a_session_serves_many_holders_that_use_their_handles(pg_dsn: str, run_id: str) -> None:
+    backends = set()
+    for round_ in range(12):  # past psycopg's prepare threshold, on both sides
+        with lock(pg_dsn, f"a:{run_id}:{round_ % 2}") as held:
+            for _ in range(6):
+                held.connection.execute("SELECT %s::int", (round_,))
+            backends.add(held.connection.info.backend_pid)
+    assert len(backends) == 1
