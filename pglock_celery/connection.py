@@ -24,6 +24,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from . import sessions
 from .config import PglockConfig
 from .exceptions import ConfigurationError, LockUnavailable
 from .sessions import LockSession, SessionConnection
@@ -200,25 +201,28 @@ def open_session(config: PglockConfig, app_name: str) -> LockSession:
     kwargs = connect_kwargs(config, app_name, token)
     dsn = config.require_dsn()
     where = describe_target(dsn)
-    try:
-        conn = SessionConnection.connect(dsn, **kwargs)  # type: ignore[arg-type]
-    except psycopg.Error as exc:
-        reason = " ".join(str(exc).split())
-        raise LockUnavailable(
-            f"cannot open a lock session to {where}: {redact(reason, dsn)}"
-        ) from exc
-    try:
-        backend_pid, pooled = _verify_session(conn, config, token)
-    except psycopg.Error as exc:
-        conn.close()
-        reason = " ".join(str(exc).split())
-        raise LockUnavailable(
-            f"the lock session to {where} failed its checks: {redact(reason, dsn)}"
-        ) from exc
-    except BaseException:
-        conn.close()
-        raise
-    return LockSession(conn, dsn, backend_pid=backend_pid, pooled=pooled)
+    with sessions.opening():
+        try:
+            conn = SessionConnection.connect(dsn, **kwargs)  # type: ignore[arg-type]
+        except psycopg.Error as exc:
+            reason = " ".join(str(exc).split())
+            raise LockUnavailable(
+                f"cannot open a lock session to {where}: {redact(reason, dsn)}"
+            ) from exc
+        try:
+            backend_pid, pooled = _verify_session(conn, config, token)
+        except psycopg.Error as exc:
+            conn.close()
+            reason = " ".join(str(exc).split())
+            raise LockUnavailable(
+                f"the lock session to {where} failed its checks: {redact(reason, dsn)}"
+            ) from exc
+        except BaseException:
+            conn.close()
+            raise
+        session = LockSession(conn, dsn, backend_pid=backend_pid, token=token, pooled=pooled)
+        sessions.register(session)
+    return session
 
 
 def _verify_session(
@@ -237,7 +241,8 @@ def _verify_session(
     then the settings are applied with set_config and the session is never reused.
     """
     row = conn.execute(
-        "SELECT pg_backend_pid(), current_setting(%s, true)", (SESSION_TOKEN_SETTING,)
+        "SELECT pg_backend_pid(), current_setting(%s, true)",
+        (SESSION_TOKEN_SETTING,),
     ).fetchone()
     assert row is not None
     backend_pid, seen = row

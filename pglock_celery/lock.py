@@ -52,14 +52,22 @@ logger = logging.getLogger("pglock_celery.lock")
 #: ``,key,``; guarded tables read it instead of pg_locks (see guard.py).
 HELD_SETTING = "pglock.held"
 
-# Takes the lock and, only if it got it, names the session after its holder and
-# records the key; the backend pid proves the statement ran on the session's backend.
+# Tries the lock only on the session's own backend (its token in force) holding
+# nothing of an earlier holder's (NULL otherwise: behind a pooler that moved it); if
+# it got it, names the session after its holder and records the key.
 _TRY = (
     "SELECT got, pg_backend_pid(), CASE WHEN got THEN"
     " set_config('application_name', %s, false) || set_config('pglock.held', %s, false) END"
-    " FROM pg_try_advisory_lock(%s::int8) AS got"
+    " FROM (SELECT CASE WHEN current_setting('pglock.session', true) = %s"
+    " AND coalesce(current_setting('pglock.held', true), '') = ''"
+    " THEN pg_try_advisory_lock(%s::int8) END AS got) AS attempt"
 )
-_WAIT = "SELECT pg_advisory_lock(%s::int8)"
+# The same proof before waiting: '' once granted, NULL when not on its own backend.
+_WAIT = (
+    "SELECT CASE WHEN current_setting('pglock.session', true) = %s"
+    " AND coalesce(current_setting('pglock.held', true), '') = ''"
+    " THEN pg_advisory_lock(%s::int8)::text END"
+)
 _SET_TIMEOUT = "SELECT current_setting('lock_timeout'), set_config('lock_timeout', %s, false)"
 # NULL leaves lock_timeout as it is; else the value it had before the wait.
 _AFTER_WAIT = (
@@ -177,6 +185,8 @@ class Hold:
         try:
             if self.ended or self.lost is not None:
                 return self.lost
+            if session.pgconn.pipeline_status:
+                return None  # results of the holder's pipeline are on their way
             status = session.pgconn.transaction_status
             if status == TransactionStatus.IDLE:
                 try:
@@ -317,10 +327,12 @@ class AdvisoryLock:
                 f"lock {self.label} is held by process {hold.session.pid}, not by this "
                 "forked child: its connection is not this process's to use"
             )
-        if hold.handle is None:
-            with hold.session.guard:
+        with hold.session.guard:
+            if hold.ended:
+                raise LockLost(f"lock {self.label} was released: it has no connection")
+            if hold.handle is None or hold.handle.closed:
                 hold.handle = hold.session.handle()
-        return hold.handle
+            return hold.handle
 
     @property
     def lost_reason(self) -> str | None:
@@ -358,7 +370,6 @@ class AdvisoryLock:
         if session is None:
             startup = idle_name(self.config.application_name) if self._reuse else None
             session = open_session(self.config, startup or self.application_name)
-            sessions.register(session)
             try:
                 got = self._lock_on(session)
             except psycopg.Error as exc:
@@ -373,6 +384,8 @@ class AdvisoryLock:
         if got:
             self._hold = Hold(self, session, self._on_lost)
             _scheduler.watch(self._hold)
+        if self._finalizer is not None:
+            self._finalizer.detach()  # an earlier failed try's, for this same session
         self._finalizer = weakref.finalize(self, _abandon, session, self._hold)
         return got
 
@@ -389,22 +402,34 @@ class AdvisoryLock:
                     row = conn.execute(_SET_TIMEOUT, (f"{millis}ms",)).fetchone()
                     restore = row[0] if row else None
                 try:
-                    conn.execute(_WAIT, (self.key,))
+                    waited = conn.execute(_WAIT, (session.token, self.key)).fetchone()
                 except pg_errors.LockNotAvailable:
                     raise LockTimeout(
                         f"lock {self.label} not obtained within {self._timeout:g} s"
                     ) from None
+                if waited is None or waited[0] is None:
+                    raise self._moved(session, None)
                 row = conn.execute(_AFTER_WAIT, (self.application_name, held, restore)).fetchone()
                 backend_pid, got = (row[0] if row else None), True
             else:
-                row = conn.execute(_TRY, (self.application_name, held, self.key)).fetchone()
-                got, backend_pid = (bool(row[0]), row[1]) if row else (False, None)
+                row = conn.execute(
+                    _TRY, (self.application_name, held, session.token, self.key)
+                ).fetchone()
+                if row is None or row[0] is None:
+                    raise self._moved(session, row[1] if row else None)
+                got, backend_pid = bool(row[0]), row[1]
         if backend_pid != session.backend_pid:
-            raise LockUnavailable(
-                f"lock {self.label}: the lock statement ran on backend {backend_pid}, not on "
-                f"the session's backend {session.backend_pid}: a pooler moved the session"
-            )
+            raise self._moved(session, backend_pid)
         return got
+
+    def _moved(self, session: sessions.LockSession, backend_pid: int | None) -> LockUnavailable:
+        """The error for a lock statement that did not run on the session's own backend."""
+        return LockUnavailable(
+            f"lock {self.label}: the lock statement did not run on the session's own "
+            f"backend {session.backend_pid} (it ran on {backend_pid or 'another'}, without "
+            "this session's token, or with an earlier holder's lock): a pooler moved the "
+            "session, so it fails closed"
+        )
 
     def holder(self) -> Holder | None:
         """Return who holds the lock now, asked on this lock's session."""
@@ -482,7 +507,8 @@ class AdvisoryLock:
         if session is None:
             return
         if hold is not None:
-            hold.end()
+            with session.guard:  # no handle is given out after this
+                hold.end()
             _scheduler.unwatch(hold)
         if session.pid != os.getpid():
             return

@@ -28,7 +28,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -75,6 +75,16 @@ class SessionConnection(psycopg.Connection[Any]):
         return super().wait(gen, interval, timeout)
 
 
+class HandleConnection(SessionConnection):
+    """A holder's handle: closing it (``with conn:``) revokes it, never the session."""
+
+    session: LockSession
+
+    def close(self) -> None:
+        if not self.closed:
+            self.session.revoke_one(self, "this handle of the lock connection was closed")
+
+
 class _Revoked:
     """Stands in for a released handle's lock: every statement through it fails."""
 
@@ -112,7 +122,13 @@ class LockSession:
     """One dedicated lock session: its socket, the library's connection, its handles."""
 
     def __init__(
-        self, conn: psycopg.Connection[Any], dsn: str, *, backend_pid: int, pooled: bool
+        self,
+        conn: psycopg.Connection[Any],
+        dsn: str,
+        *,
+        backend_pid: int,
+        token: str,
+        pooled: bool,
     ) -> None:
         self.conn = conn
         # Never prepared: holders' handles name their prepared statements the same
@@ -129,6 +145,8 @@ class LockSession:
         self.backend_pid = backend_pid
         #: Behind a session-mode pooler: never reused (see connection.verify_session).
         self.pooled = pooled
+        #: This session's own value of pglock.session: proof a statement ran on it.
+        self.token = token
         self._handles: list[psycopg.Connection[Any]] = []
         #: Whether a holder got a handle since the session was last reset.
         self.handed_out = False
@@ -142,7 +160,8 @@ class LockSession:
 
     def handle(self) -> psycopg.Connection[Any]:
         """Return a connection for the holder: pristine client state, dies at revoke."""
-        handle = SessionConnection(self.pgconn)
+        handle = HandleConnection(self.pgconn)
+        handle.session = self
         handle.lock = self.guard  # type: ignore[assignment]
         handle.autocommit = True
         self._handles.append(handle)
@@ -151,14 +170,17 @@ class LockSession:
 
     def revoke(self, message: str) -> None:
         """Make every handle given out so far fail on its next statement."""
-        revoked = _Revoked(message)
-        for handle in self._handles:
-            handle.lock = revoked  # type: ignore[assignment]
-            handle.pgconn = _dead_pgconn()
-        self._handles.clear()
+        for handle in list(self._handles):
+            self.revoke_one(handle, message)
         # Notices of later holders must not reach a revoked handle's handlers.
         self.pgconn.notice_handler = None
         self.pgconn.notify_handler = None
+
+    def revoke_one(self, handle: psycopg.Connection[Any], message: str) -> None:
+        handle.lock = _Revoked(message)  # type: ignore[assignment]
+        handle.pgconn = _dead_pgconn()
+        with contextlib.suppress(ValueError):
+            self._handles.remove(handle)
 
     def alive(self) -> bool:
         """Whether the server still has the session, read from the socket without a statement.
@@ -208,14 +230,38 @@ def _message_types(data: bytes) -> list[bytes]:
 
 
 _guard = threading.Lock()
+# Sockets being opened, not registered yet: a fork waits for them (see opening()).
+_opening = 0
+_fork_barrier = threading.Condition()
+#: How long a fork waits for sessions being opened before it goes ahead anyway.
+FORK_WAIT = 30.0
 _open: set[LockSession] = set()
 _idle: dict[str, list[LockSession]] = {}
 # A child's copies of its parent's sessions: kept alive, never finalized.
 _inherited: list[LockSession] = []
 
 
+@contextlib.contextmanager
+def opening() -> Iterator[None]:
+    """Around opening a session until it is registered: a fork meanwhile waits.
+
+    A child forked while a socket exists that is not registered yet would keep
+    a copy of it open, and with it the parent's locks after the parent died.
+    """
+    global _opening
+    with _fork_barrier:
+        _opening += 1
+    try:
+        yield
+    finally:
+        with _fork_barrier:
+            _opening -= 1
+            if not _opening:
+                _fork_barrier.notify_all()
+
+
 def register(session: LockSession) -> None:
-    """Track a lock session opened by this process."""
+    """Track a lock session opened by this process (inside ``opening()``)."""
     with _guard:
         _open.add(session)
 
@@ -239,10 +285,13 @@ def give_back(config: PglockConfig, session: LockSession) -> bool:
 
 
 def discard(session: LockSession) -> None:
-    """Close a session that is not going back, and forget it."""
+    """Close a session that is not going back, and forget it.
+
+    Closed first: a child forked in between must find its socket gone, not miss it.
+    """
+    session.close()
     with _guard:
         _open.discard(session)
-    session.close()
 
 
 def idle_count() -> int:
@@ -261,16 +310,34 @@ def close_idle() -> None:
             discard(session)
 
 
+def _before_fork() -> None:
+    _fork_barrier.acquire()
+    _fork_barrier.wait_for(lambda: _opening == 0, timeout=FORK_WAIT)
+
+
+def _after_fork_in_parent() -> None:
+    _fork_barrier.release()
+
+
 def _after_fork_in_child() -> None:
-    global _guard
+    global _guard, _fork_barrier, _opening
     # The parent's threads are gone; a lock one of them held would never be released.
     _guard = threading.Lock()
+    _fork_barrier, _opening = threading.Condition(), 0
     for session in list(_open):
-        with contextlib.suppress(OSError, psycopg.Error):
-            os.close(session.pgconn.socket)
+        if not session.closed:
+            with contextlib.suppress(OSError, psycopg.Error):
+                os.close(session.pgconn.socket)
+        # Nothing of the child's may write to that descriptor number again.
+        session.revoke("this lock connection belongs to the parent process")
+        session.conn.pgconn = _dead_pgconn()
         _inherited.append(session)
     _open.clear()
     _idle.clear()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(
+    before=_before_fork,
+    after_in_parent=_after_fork_in_parent,
+    after_in_child=_after_fork_in_child,
+)

@@ -190,3 +190,9 @@ def stuck(tenant_id: str, table: str) -> None:
     """Overruns its hard time limit: the pool kills the process mid-step."""
     _record_start(table)
     time.sleep(30)
+
+
+@app.task
+def collect(results: list[Any]) -> list[Any]:
+    """A chord body: what its header's calls returned."""
+    return results

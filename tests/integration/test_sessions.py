@@ -92,8 +92,8 @@ def test_a_lost_lock_is_reported_and_its_session_is_not_kept(pg_dsn: str, run_id
 
 
 def test_a_forked_child_does_not_use_its_parents_sessions(pg_dsn: str, run_id: str) -> None:
-    with lock(pg_dsn, f"a:{run_id}"):
-        pass
+    with lock(pg_dsn, f"a:{run_id}") as first:
+        backend = first.connection.info.backend_pid
     assert sessions.idle_count() == 1
     read, write = os.pipe()
     pid = os.fork()
@@ -106,6 +106,7 @@ def test_a_forked_child_does_not_use_its_parents_sessions(pg_dsn: str, run_id: s
     os.close(read)
     os.waitpid(pid, 0)
     assert seen == "0"
-    # The parent's session survived the child's exit.
+    # The parent's very session survived the child's exit (not a replacement).
     with lock(pg_dsn, f"b:{run_id}") as again:
         assert again.held()
+        assert again.connection.info.backend_pid == backend

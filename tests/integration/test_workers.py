@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from celery import Celery
+from celery import Celery, chain, chord
 
 from pglock_celery import LockTimeout, try_lock
 from tests.apps import core
@@ -220,3 +220,54 @@ def test_calls_in_one_process_never_share_a_tenants_lock(
     assert {run.worker_pid for run in runs} == {pool_worker.pid}
     assert skipped, "no two calls ever met on the tenant: the test could not have failed"
     assert overlaps(runs) == []
+
+
+@pytest.fixture(scope="module")
+def eventlet_worker(app: Celery, worker_env: dict[str, str], log_dir: Path) -> Iterator[Worker]:
+    """An eventlet worker (4 green threads in one process) on a queue of its own."""
+    env = {**worker_env, "PGLOCK_TEST_QUEUE": f"{worker_env['PGLOCK_TEST_QUEUE']}-eventlet"}
+    worker = Worker(app, "tests.apps.core", env, log_dir, pool="eventlet", concurrency=4)
+    yield worker
+    worker.stop()
+
+
+def test_a_waiting_call_under_eventlet_lets_the_holder_finish(
+    eventlet_worker: Worker, queue: str, history: str, pg_dsn: str, run_id: str
+) -> None:
+    """A wait-mode call must yield to the hub: the holder, in the same process, finishes."""
+    tenant, where = f"{run_id}-eventlet", f"{queue}-eventlet"
+    holder = core.step.apply_async((tenant, history, 1.0), queue=where)
+    wait_until(lambda: len(read_history(pg_dsn, history)) == 1, 20, "the holder to start")
+    waiter = core.wait_step.apply_async((tenant, history, 0.0), queue=where)
+    assert holder.get(timeout=RESULT_TIMEOUT)["ran"]
+    assert waiter.get(timeout=RESULT_TIMEOUT)["ran"]
+    first, second = read_history(pg_dsn, history)
+    assert first.worker_pid == second.worker_pid == eventlet_worker.pid
+    assert second.started >= first.finished  # type: ignore[operator]
+    started = time.monotonic()
+    eventlet_worker.stop()
+    assert eventlet_worker.process.returncode == 0, "the worker did not end on SIGTERM"
+    print(f"\neventlet worker stopped {time.monotonic() - started:.1f} s after SIGTERM")
+
+
+def test_a_skip_ends_its_chain_and_a_chord_body_sees_the_skip(
+    workers: list[Worker], history: str, run_id: str, pg_dsn: str
+) -> None:
+    tenant, free = f"{run_id}-canvas", f"{run_id}-free"
+    marker = f"chain-{run_id}"
+    with try_lock(f"tenant:{tenant}", dsn=pg_dsn) as held:
+        assert held.acquired
+        cut = chain(core.step.s(tenant, history), core.mark.si(free, marker)).apply_async()
+        assert cut.parent is not None and is_skip(
+            cut.parent.get(timeout=RESULT_TIMEOUT), f"tenant:{tenant}"
+        )
+        # The chain's next message is sent before a step's result is stored: none was.
+        assert not cut.parent.children
+        both = chord(
+            [core.step.s(tenant, history), core.step.s(free, history)], core.collect.s()
+        ).apply_async()
+        results = both.get(timeout=RESULT_TIMEOUT)
+    assert is_skip(results[0], f"tenant:{tenant}") and results[1]["ran"]
+    whole = chain(core.step.s(tenant, history), core.mark.si(free, marker)).apply_async()
+    assert whole.get(timeout=RESULT_TIMEOUT) == "ran"
+    assert whole.parent is not None and whole.parent.children
