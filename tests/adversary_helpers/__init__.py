@@ -41,7 +41,7 @@ def run_bounded(fn: Callable[[], Any], seconds: float) -> tuple[bool, Any]:
     def target() -> None:
         try:
             box["result"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
+        except BaseException as exc:
             box["result"] = exc
 
     thread = threading.Thread(target=target, daemon=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import tempfile
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path

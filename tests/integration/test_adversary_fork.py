@@ -14,7 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pglock_celery import LockLost, sessions
+from pglock_celery import sessions
 from tests.adversary_helpers import make_lock, taken_elsewhere
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -87,9 +87,7 @@ def test_a_session_that_replaced_a_dead_cached_one_is_watched(pg_dsn: str, run_i
         lock.release()
 
 
-def test_a_lock_unlocked_behind_the_holders_back_ends_the_session(
-    pg_dsn: str, run_id: str
-) -> None:
+def test_a_lock_unlocked_behind_the_holders_back_ends_the_session(pg_dsn: str, run_id: str) -> None:
     """Probe: the session alive without its lock is found and ended, so its writes fail."""
     lock = make_lock(pg_dsn, f"adv:unl:{run_id}", check_interval=0.2)
     assert lock.acquire()
