@@ -120,7 +120,7 @@ def test_a_holder_that_dies_frees_its_lock_although_it_forked_while_connecting(
 
 
 def test_a_child_leaving_the_with_block_leaves_the_parents_lock(pg_dsn: str, run_id: str) -> None:
-    """Probe: a forked child that runs off the end of `with lock:` releases nothing of the parent's."""
+    """Probe: a forked child running off the end of `with lock:` releases nothing of its parent's."""
     lock = make_lock(pg_dsn, f"adv:forkwith:{run_id}")
     with lock:
         conn = lock.connection
@@ -176,7 +176,7 @@ def test_a_dead_holder_is_not_kept_alive_by_a_child_forked_while_it_held(
 
 
 def test_a_child_exiting_normally_leaves_the_parents_hold(pg_dsn: str, run_id: str) -> None:
-    """Probe: a forked child that exits normally (atexit, finalizers run) keeps the parent's hold."""
+    """Probe: a forked child that exits normally (atexit, finalizers) keeps the parent's hold."""
     code = (
         "import os, sys\n"
         "from pglock_celery.config import PglockConfig\n"

@@ -58,7 +58,7 @@ def test_a_handle_fetched_concurrently_with_release_is_dead_after_release(
             box: list[psycopg.Connection] = []  # type: ignore[type-arg]
 
             def fetch() -> None:
-                barrier.wait()
+                barrier.wait()  # noqa: B023
                 with contextlib.suppress(LockLost):
                     box.append(lock.connection)  # noqa: B023
 

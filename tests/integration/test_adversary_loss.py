@@ -59,7 +59,7 @@ def test_a_session_killed_during_a_statement_fails_the_statement(pg_dsn: str, ru
     assert lock.acquire()
     conn = lock.connection
     backend = conn.info.backend_pid
-    finished, result = run_bounded(
+    _finished, _result = run_bounded(
         lambda: (time.sleep(0.3), terminate(pg_dsn, backend)), 0
     )  # kills it 0.3 s into the statement below
     with pytest.raises(psycopg.OperationalError):
