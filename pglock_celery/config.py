@@ -19,6 +19,7 @@ from typing import Any
 
 from celery import Celery
 
+from .dsn import dsn_problem
 from .exceptions import ConfigurationError
 
 logger = logging.getLogger("pglock_celery.config")
@@ -87,8 +88,9 @@ def _optional_str(raw: Any) -> str | None:
 class PglockConfig:
     """The pglock settings of one Celery app (see the README for each)."""
 
-    #: libpq connection string of the lock database (URI or key=value).
-    dsn: str | None = None
+    #: libpq connection string of the lock database (URI or key=value); kept
+    #: out of repr() because it may hold a password.
+    dsn: str | None = dataclasses.field(default=None, repr=False)
     #: Seconds to wait for a lock session's connection before failing closed.
     connect_timeout: float = 5.0
     #: First field of the lock session's application_name.
@@ -152,11 +154,22 @@ class PglockConfig:
         return max(1.25 * self.check_interval + self.tcp_user_timeout, float(keepalive))
 
     def require_dsn(self) -> str:
-        """Return the DSN, or raise ConfigurationError naming where to set it."""
+        """Return the DSN, or raise ConfigurationError saying what is wrong with it.
+
+        A DSN that does not parse cleanly never reaches libpq, whose messages
+        would quote the parts it mis-parsed (pieces of a URI password among them).
+        """
         if not self.dsn:
             raise ConfigurationError(
                 "no lock database configured: set the Celery setting pglock_dsn "
                 "or the environment variable PGLOCK_DSN"
+            )
+        problem = dsn_problem(self.dsn)
+        if problem is not None:
+            raise ConfigurationError(
+                f"the lock database's DSN (pglock_dsn, PGLOCK_DSN or the dsn given) is not "
+                f"a valid connection string: {problem}; its text is not shown. Keep the "
+                "password out of the DSN: PGPASSWORD or a passfile (PGPASSFILE)"
             )
         return self.dsn
 

@@ -56,6 +56,15 @@ def test_missing_dsn_names_the_setting_and_the_variable() -> None:
         PglockConfig().require_dsn()
 
 
+def test_a_dsn_that_does_not_parse_cleanly_is_refused_without_being_quoted() -> None:
+    config = PglockConfig(dsn="postgresql://postgres:Pw9x/7Zq@127.0.0.1:1/db")
+    with pytest.raises(ConfigurationError, match="not a valid connection string") as raised:
+        config.require_dsn()
+    message = str(raised.value)
+    assert "%2F" in message and "PGPASSWORD" in message
+    assert "Pw9x" not in message and "7Zq" not in message
+
+
 def test_config_is_read_once_and_cached_on_the_app() -> None:
     app = Celery("cfg", set_as_current=False)
     app.conf.pglock_dsn = "dbname=first"
