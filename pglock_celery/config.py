@@ -5,6 +5,9 @@ then as the uppercase ``PGLOCK_*`` environment variable, then its default.
 A value that does not parse is reported (a warning and a log line) and the
 default is used instead, except for ``pglock_dsn``, whose absence is an error
 at the first lock.
+
+Importing this module also makes Celery mask ``pglock_dsn`` wherever it masks
+secret settings (``celery report``, ``celery inspect conf``).
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import celery.app.utils
 from celery import Celery
 
 from .dsn import dsn_problem
@@ -235,3 +240,20 @@ def get_config(app: Celery) -> PglockConfig:
         cached = load_config(app.conf)
         setattr(app, _CACHE_ATTRIBUTE, cached)
     return cached
+
+
+def _mask_in_celery_reports() -> None:
+    """Make Celery mask pglock_dsn where it masks secrets (celery report, inspect conf).
+
+    Celery masks a setting whose name matches ``celery.app.utils.HIDDEN_SETTINGS``,
+    looked up at each use (Celery 5.3 to 5.7). A Celery without it is left
+    alone; the README says how to keep the password out of the DSN anyway.
+    """
+    hidden = getattr(celery.app.utils, "HIDDEN_SETTINGS", None)
+    if isinstance(hidden, re.Pattern) and not hidden.search("celery_pglock_dsn"):
+        extended = re.compile(f"{hidden.pattern}|(?i:PGLOCK_DSN)", hidden.flags)
+        # setattr: celery-types does not declare HIDDEN_SETTINGS.
+        setattr(celery.app.utils, "HIDDEN_SETTINGS", extended)  # noqa: B010
+
+
+_mask_in_celery_reports()

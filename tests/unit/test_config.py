@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from celery import Celery
 
@@ -63,6 +68,33 @@ def test_a_dsn_that_does_not_parse_cleanly_is_refused_without_being_quoted() -> 
     message = str(raised.value)
     assert "%2F" in message and "PGPASSWORD" in message
     assert "Pw9x" not in message and "7Zq" not in message
+
+
+@pytest.mark.parametrize("namespace", [None, "CELERY"])
+def test_celery_masks_pglock_dsn_where_it_masks_secrets(namespace: str | None) -> None:
+    key = "CELERY_PGLOCK_DSN" if namespace else "pglock_dsn"
+    app = Celery("masked", set_as_current=False)
+    app.config_from_object({key: "postgresql://u:hunter2@h/db"}, namespace=namespace)
+    # The tables of `celery report` and `celery inspect conf`.
+    assert app.conf.table()[key] == "********"
+    assert "hunter2" not in app.conf.humanize(with_defaults=True)
+
+
+def test_celery_report_masks_pglock_dsn(tmp_path: Path) -> None:
+    (tmp_path / "reported.py").write_text(
+        "from celery import Celery\n"
+        "from pglock_celery import TenantLockedTask\n"
+        "app = Celery('reported', broker='memory://')\n"
+        "app.conf.pglock_dsn = 'postgresql://u:hunter2@h/db'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "reported", "report"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "pglock_dsn: '********'" in done.stdout
+    assert "hunter2" not in done.stdout + done.stderr
 
 
 def test_config_is_read_once_and_cached_on_the_app() -> None:
