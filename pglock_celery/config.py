@@ -1,10 +1,15 @@
-"""pglock_* settings: read once per Celery app from app.conf, then the environment.
+"""pglock_* settings: from app.conf, then the environment, then defaults.
 
 Each setting is looked up as the lowercase ``pglock_*`` key in ``app.conf``,
 then as the uppercase ``PGLOCK_*`` environment variable, then its default.
 A value that does not parse is reported (a warning and a log line) and the
 default is used instead, except for ``pglock_dsn``, whose absence is an error
 at the first lock.
+
+The parsed settings are cached on the app, keyed by the raw values they came
+from, so a change (``app.conf.pglock_dsn = ...`` in a test fixture, Django's
+``override_settings``, a changed ``PGLOCK_*`` variable) counts from the next
+call, and an unchanged configuration costs a few dict lookups per call.
 
 Importing this module also makes Celery mask ``pglock_dsn`` wherever it masks
 secret settings (``celery report``, ``celery inspect conf``).
@@ -13,16 +18,19 @@ secret settings (``celery report``, ``celery inspect conf``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import celery.app.utils
 from celery import Celery
+from celery.utils.collections import DictAttribute
 
 from .dsn import dsn_problem
 from .exceptions import ConfigurationError
@@ -211,6 +219,14 @@ SETTINGS: tuple[tuple[str, str, Any], ...] = tuple(
 )
 
 
+def _namespaced(prefix: str | None, key: str) -> str | None:
+    if not prefix:
+        return None
+    name = prefix + key
+    # Celery's own rule: the namespaced key takes the case of the prefix.
+    return name.upper() if prefix.isupper() else name.lower()
+
+
 def load_config(conf: Any, environ: dict[str, str] | None = None) -> PglockConfig:
     """Build a PglockConfig from a Celery ``conf`` mapping and the environment."""
     environ = dict(os.environ) if environ is None else environ
@@ -233,13 +249,82 @@ def load_config(conf: Any, environ: dict[str, str] | None = None) -> PglockConfi
     return PglockConfig(**values)
 
 
+_KEYS = tuple(key for key, _env, _default in SETTINGS)
+_VARIABLES = tuple(env for _key, env, _default in SETTINGS)
+
+
+@functools.lru_cache(maxsize=8)
+def _names(prefix: str | None) -> tuple[tuple[str, ...], frozenset[str]]:
+    """Every name under which a conf with ``prefix`` may hold a pglock setting."""
+    namespaced = (_namespaced(prefix, key) for key in _KEYS)
+    names = _KEYS + tuple(name for name in namespaced if name is not None)
+    return names, frozenset(names)
+
+
+@functools.lru_cache(maxsize=2)
+def _encoded_variables(encodekey: Callable[[str], Any]) -> tuple[Any, ...]:
+    return tuple(encodekey(env) for env in _VARIABLES)
+
+
+def _fingerprint(conf: Any) -> tuple[object, ...]:
+    """The raw values that load_config would read from ``conf`` and the environment.
+
+    Read straight from the maps behind Celery's conf, whose own lookup costs
+    microseconds per key: a map without any pglock name costs one set operation.
+    """
+    names, name_set = _names(getattr(conf, "prefix", None))
+    parts: list[object] = []
+    for mapping in getattr(conf, "maps", None) or [conf]:
+        if type(mapping) is not dict:
+            attributes = (
+                getattr(mapping.obj, "__dict__", None)
+                if isinstance(mapping, DictAttribute)
+                else None
+            )
+            if not isinstance(attributes, (dict, MappingProxyType)):
+                parts.append(tuple(mapping.get(name) for name in names))
+                continue
+            # A config object (module, class, Django settings): its own attributes
+            # (not inherited ones), and what a lazy wrapper wraps (Django's
+            # override_settings swaps it).
+            parts.append(attributes.get("_wrapped"))
+            mapping = attributes
+        disjoint = mapping.keys().isdisjoint(name_set)
+        parts.append(None if disjoint else tuple(map(mapping.get, names)))
+    environ = os.environ
+    # os.environ encodes the key at every lookup; its backing dict does not need to.
+    data = getattr(environ, "_data", None)
+    encodekey = getattr(environ, "encodekey", None)
+    if isinstance(data, dict) and encodekey is not None:
+        parts.append(tuple(map(data.get, _encoded_variables(encodekey))))
+    else:
+        parts.append(tuple(map(environ.get, _VARIABLES)))
+    return tuple(parts)
+
+
 def get_config(app: Celery) -> PglockConfig:
-    """Return the app's PglockConfig, read once and cached on the app."""
-    cached: PglockConfig | None = getattr(app, _CACHE_ATTRIBUTE, None)
-    if cached is None:
-        cached = load_config(app.conf)
-        setattr(app, _CACHE_ATTRIBUTE, cached)
-    return cached
+    """Return the app's PglockConfig, cached on the app until a raw value changes.
+
+    A value set after the first call (app.conf, the app's config object, a
+    ``PGLOCK_*`` variable) counts from the next call on.
+    """
+    conf = app.conf
+    fingerprint = _fingerprint(conf)
+    cached: tuple[tuple[object, ...], PglockConfig] | None = getattr(app, _CACHE_ATTRIBUTE, None)
+    if cached is not None and cached[0] == fingerprint:
+        return cached[1]
+    finalize = getattr(conf, "finalize", None)
+    if finalize is not None:
+        # A conf not yet read swaps in its real maps at the first lookup: take the
+        # fingerprint from those, or the next call would read everything again.
+        finalize()
+        fingerprint = _fingerprint(conf)
+        if cached is not None and cached[0] == fingerprint:
+            return cached[1]
+    # Taken before reading: a change made while reading shows at the next call.
+    config = load_config(conf)
+    setattr(app, _CACHE_ATTRIBUTE, (fingerprint, config))
+    return config
 
 
 def _mask_in_celery_reports() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import timeit
+import types
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,70 @@ def test_a_dsn_that_does_not_parse_cleanly_is_refused_without_being_quoted() -> 
     assert "Pw9x" not in message and "7Zq" not in message
 
 
+def test_config_is_cached_while_no_setting_changes() -> None:
+    app = Celery("cfg", set_as_current=False)
+    app.conf.pglock_dsn = "dbname=first"
+    first = get_config(app)
+    assert get_config(app) is first
+    app.conf.broker_url = "memory://"  # not a pglock setting
+    assert get_config(app) is first
+
+
+def test_a_dsn_set_after_a_failed_call_counts_at_the_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PGLOCK_DSN", raising=False)
+    app = Celery("cfg", set_as_current=False)
+    with pytest.raises(ConfigurationError, match="no lock database"):
+        get_config(app).require_dsn()
+    app.conf.pglock_dsn = "dbname=second"
+    assert get_config(app).require_dsn() == "dbname=second"
+    app.conf.update(pglock_check_interval=7, pglock_dsn="dbname=third")
+    assert (get_config(app).dsn, get_config(app).check_interval) == ("dbname=third", 7.0)
+
+
+def test_a_changed_config_module_counts_at_the_next_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("pglock_test_settings")
+    module.pglock_dsn = "dbname=module"  # type: ignore[attr-defined]
+    app = Celery("cfg", set_as_current=False)
+    app.config_from_object(module)
+    assert get_config(app).dsn == "dbname=module"
+    monkeypatch.setattr(module, "pglock_dsn", "dbname=patched")
+    assert get_config(app).dsn == "dbname=patched"
+
+
+def test_a_changed_config_class_counts_at_the_next_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Settings:
+        pglock_dsn = "dbname=class"
+
+    app = Celery("cfg", set_as_current=False)
+    app.config_from_object(Settings)
+    assert get_config(app).on_lost == "raise"
+    monkeypatch.setattr(Settings, "pglock_on_lost", "terminate", raising=False)
+    assert get_config(app).on_lost == "terminate"
+
+
+def test_a_changed_environment_variable_counts_at_the_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PGLOCK_STRATEGY", raising=False)
+    app = Celery("cfg", set_as_current=False)
+    assert get_config(app).strategy == "reuse"
+    monkeypatch.setenv("PGLOCK_STRATEGY", "connect")
+    assert get_config(app).strategy == "connect"
+
+
+def test_a_cached_lookup_costs_a_small_fraction_of_a_read() -> None:
+    app = Celery("cfg", set_as_current=False)
+    app.config_from_object(types.SimpleNamespace(pglock_dsn="dbname=x"))
+    app.conf.pglock_check_interval = 3
+    get_config(app)
+    cached = min(timeit.repeat(lambda: get_config(app), number=200, repeat=5))
+    read = min(timeit.repeat(lambda: load_config(app.conf), number=200, repeat=5))
+    # About 60 times on an idle machine; 10 leaves room for a busy one.
+    assert cached * 10 < read
+
+
 @pytest.mark.parametrize("namespace", [None, "CELERY"])
 def test_celery_masks_pglock_dsn_where_it_masks_secrets(namespace: str | None) -> None:
     key = "CELERY_PGLOCK_DSN" if namespace else "pglock_dsn"
@@ -95,15 +161,6 @@ def test_celery_report_masks_pglock_dsn(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "pglock_dsn: '********'" in done.stdout
     assert "hunter2" not in done.stdout + done.stderr
-
-
-def test_config_is_read_once_and_cached_on_the_app() -> None:
-    app = Celery("cfg", set_as_current=False)
-    app.conf.pglock_dsn = "dbname=first"
-    first = get_config(app)
-    app.conf.pglock_dsn = "dbname=second"
-    assert get_config(app) is first
-    assert first.dsn == "dbname=first"
 
 
 def test_every_setting_has_a_prefixed_name_and_variable() -> None:
