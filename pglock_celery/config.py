@@ -1,10 +1,11 @@
 """pglock_* settings: from app.conf, then the environment, then defaults.
 
-Each setting is looked up as the lowercase ``pglock_*`` key in ``app.conf``,
-then as the uppercase ``PGLOCK_*`` environment variable, then its default.
-A value that does not parse is reported (a warning and a log line) and the
-default is used instead, except for ``pglock_dsn``, whose absence is an error
-at the first lock.
+Each setting is looked up as the lowercase ``pglock_*`` key in ``app.conf``
+(with the app's namespace, if any: ``CELERY_PGLOCK_*`` under
+``namespace="CELERY"``), then as the uppercase ``PGLOCK_*`` environment
+variable, then its default. A value that does not parse is reported (a warning
+and a log line naming the key as written) and the default is used instead,
+except for ``pglock_dsn``, whose absence is an error at the first lock.
 
 The parsed settings are cached on the app, keyed by the raw values they came
 from, so a change (``app.conf.pglock_dsn = ...`` in a test fixture, Django's
@@ -93,8 +94,12 @@ def _whole(raw: Any) -> int:
     return value
 
 
-def _optional_str(raw: Any) -> str | None:
-    return None if raw in (None, "") else str(raw)
+def _dsn(raw: Any) -> str | None:
+    if raw in (None, ""):
+        return None
+    if not isinstance(raw, str):
+        raise ValueError("must be a libpq connection string (a str)")
+    return raw
 
 
 @dataclass(frozen=True)
@@ -192,7 +197,7 @@ class PglockConfig:
 
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
-    "dsn": _optional_str,
+    "dsn": _dsn,
     "connect_timeout": _positive_float,
     "application_name": _application_name,
     "keepalives_idle": _positive_int,
@@ -219,6 +224,20 @@ SETTINGS: tuple[tuple[str, str, Any], ...] = tuple(
 )
 
 
+def _written_as(conf: Any, key: str) -> str:
+    """Return the name under which ``conf`` holds ``key``, as the user wrote it.
+
+    Celery looks a key up map by map, its namespaced form first
+    (``CELERY_PGLOCK_X`` under ``namespace="CELERY"``); so does this.
+    """
+    namespaced = _namespaced(getattr(conf, "prefix", None), key)
+    for mapping in getattr(conf, "maps", None) or [conf]:
+        for name in (namespaced, key):
+            if name is not None and name in mapping:
+                return name
+    return key
+
+
 def _namespaced(prefix: str | None, key: str) -> str | None:
     if not prefix:
         return None
@@ -242,10 +261,12 @@ def load_config(conf: Any, environ: dict[str, str] | None = None) -> PglockConfi
         try:
             values[field.name] = _PARSERS[field.name](raw)
         except (TypeError, ValueError) as exc:
+            if source == key:
+                source = _written_as(conf, key)
             shown = "<hidden>" if field.name == "dsn" else repr(raw)
             message = f"ignoring {source}={shown}: {exc}; using the default {field.default!r}"
             warnings.warn(message, RuntimeWarning, stacklevel=2)
-            logger.warning(message, extra={"setting": key})
+            logger.warning(message, extra={"setting": source})
     return PglockConfig(**values)
 
 

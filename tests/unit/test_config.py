@@ -136,6 +136,42 @@ def test_a_cached_lookup_costs_a_small_fraction_of_a_read() -> None:
     assert cached * 10 < read
 
 
+class NamespacedSettings:
+    """What Django's settings module looks like with namespace="CELERY"."""
+
+    CELERY_BROKER_URL = "memory://"
+    CELERY_PGLOCK_DSN = "dbname=from_django"
+    CELERY_PGLOCK_CHECK_INTERVAL = "soon"
+
+
+def test_a_bad_value_under_a_namespace_is_named_as_the_user_wrote_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = Celery("ns", set_as_current=False)
+    app.config_from_object(NamespacedSettings, namespace="CELERY")
+    app.conf.pglock_retry_countdown = "later"
+    with pytest.warns(RuntimeWarning) as warned:
+        config = get_config(app)
+    messages = sorted(str(w.message) for w in warned)
+    assert messages[0].startswith("ignoring CELERY_PGLOCK_CHECK_INTERVAL='soon': ")
+    assert messages[1].startswith("ignoring pglock_retry_countdown='later': ")
+    assert "CELERY_PGLOCK_CHECK_INTERVAL='soon'" in caplog.text
+    assert config.dsn == "dbname=from_django"
+    assert config.check_interval == PglockConfig.check_interval
+
+
+def test_a_bad_dsn_value_is_never_shown(caplog: pytest.LogCaptureFixture) -> None:
+    class Settings:
+        CELERY_PGLOCK_DSN = b"host=h password=hunter2"
+
+    app = Celery("ns", set_as_current=False)
+    app.config_from_object(Settings, namespace="CELERY")
+    with pytest.warns(RuntimeWarning, match=r"^ignoring CELERY_PGLOCK_DSN=<hidden>: ") as warned:
+        get_config(app)
+    assert "hunter2" not in str(warned[0].message)
+    assert "hunter2" not in caplog.text
+
+
 @pytest.mark.parametrize("namespace", [None, "CELERY"])
 def test_celery_masks_pglock_dsn_where_it_masks_secrets(namespace: str | None) -> None:
     key = "CELERY_PGLOCK_DSN" if namespace else "pglock_dsn"
