@@ -15,10 +15,9 @@ import sys
 from collections.abc import Sequence
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
 
-from .connection import describe_target, redact
 from .doctor import run_checks
+from .dsn import describe_target, dsn_problem, redact
 from .exceptions import PglockError
 from .inspect import Holder, list_holders
 from .keys import lock_key
@@ -34,10 +33,9 @@ def _dsn(args: argparse.Namespace) -> str:
     dsn = args.dsn or os.environ.get("PGLOCK_DSN")
     if not dsn:
         raise UsageError("no database: pass --dsn or set PGLOCK_DSN")
-    try:
-        conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError as exc:
-        raise UsageError(f"malformed DSN: {redact(str(exc), dsn)}") from None
+    problem = dsn_problem(dsn)
+    if problem is not None:
+        raise UsageError(f"malformed DSN ({problem}); its text is not shown")
     return dsn
 
 

@@ -1,24 +1,39 @@
-"""pglock_* settings: read once per Celery app from app.conf, then the environment.
+"""pglock_* settings: from app.conf, then the environment, then defaults.
 
-Each setting is looked up as the lowercase ``pglock_*`` key in ``app.conf``,
-then as the uppercase ``PGLOCK_*`` environment variable, then its default.
-A value that does not parse is reported (a warning and a log line) and the
-default is used instead, except for ``pglock_dsn``, whose absence is an error
-at the first lock.
+Each setting is looked up as the lowercase ``pglock_*`` key in ``app.conf``
+(with the app's namespace, if any: ``CELERY_PGLOCK_*`` under
+``namespace="CELERY"``), then as the uppercase ``PGLOCK_*`` environment
+variable, then its default. A value that does not parse is reported (a warning
+and a log line naming the key as written) and the default is used instead,
+except for ``pglock_dsn``, whose absence is an error at the first lock.
+
+The parsed settings are cached on the app, keyed by the raw values they came
+from, so a change (``app.conf.pglock_dsn = ...`` in a test fixture, Django's
+``override_settings``, a changed ``PGLOCK_*`` variable) counts from the next
+call, and an unchanged configuration costs a few dict lookups per call.
+
+Importing this module also makes Celery mask ``pglock_dsn`` wherever it masks
+secret settings (``celery report``, ``celery inspect conf``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
+import celery.app.utils
 from celery import Celery
+from celery.utils.collections import DictAttribute
 
+from .dsn import dsn_problem
 from .exceptions import ConfigurationError
 
 logger = logging.getLogger("pglock_celery.config")
@@ -86,16 +101,21 @@ def _whole(raw: Any) -> int:
     return value
 
 
-def _optional_str(raw: Any) -> str | None:
-    return None if raw in (None, "") else str(raw)
+def _dsn(raw: Any) -> str | None:
+    if raw in (None, ""):
+        return None
+    if not isinstance(raw, str):
+        raise ValueError("must be a libpq connection string (a str)")
+    return raw
 
 
 @dataclass(frozen=True)
 class PglockConfig:
     """The pglock settings of one Celery app (see the README for each)."""
 
-    #: libpq connection string of the lock database (URI or key=value).
-    dsn: str | None = None
+    #: libpq connection string of the lock database (URI or key=value); kept
+    #: out of repr() because it may hold a password.
+    dsn: str | None = dataclasses.field(default=None, repr=False)
     #: Seconds to wait for a lock session's connection before failing closed.
     connect_timeout: float = 5.0
     #: First field of the lock session's application_name.
@@ -163,11 +183,22 @@ class PglockConfig:
         return max(1.25 * self.check_interval + self.tcp_user_timeout, float(keepalive))
 
     def require_dsn(self) -> str:
-        """Return the DSN, or raise ConfigurationError naming where to set it."""
+        """Return the DSN, or raise ConfigurationError saying what is wrong with it.
+
+        A DSN that does not parse cleanly never reaches libpq, whose messages
+        would quote the parts it mis-parsed (pieces of a URI password among them).
+        """
         if not self.dsn:
             raise ConfigurationError(
                 "no lock database configured: set the Celery setting pglock_dsn "
                 "or the environment variable PGLOCK_DSN"
+            )
+        problem = dsn_problem(self.dsn)
+        if problem is not None:
+            raise ConfigurationError(
+                f"the lock database's DSN (pglock_dsn, PGLOCK_DSN or the dsn given) is not "
+                f"a valid connection string: {problem}; its text is not shown. Keep the "
+                "password out of the DSN: PGPASSWORD or a passfile (PGPASSFILE)"
             )
         return self.dsn
 
@@ -177,7 +208,7 @@ class PglockConfig:
 
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
-    "dsn": _optional_str,
+    "dsn": _dsn,
     "connect_timeout": _positive_float,
     "application_name": _application_name,
     "keepalives_idle": _positive_int,
@@ -205,6 +236,28 @@ SETTINGS: tuple[tuple[str, str, Any], ...] = tuple(
 )
 
 
+def _written_as(conf: Any, key: str) -> str:
+    """Return the name under which ``conf`` holds ``key``, as the user wrote it.
+
+    Celery looks a key up map by map, its namespaced form first
+    (``CELERY_PGLOCK_X`` under ``namespace="CELERY"``); so does this.
+    """
+    namespaced = _namespaced(getattr(conf, "prefix", None), key)
+    for mapping in getattr(conf, "maps", None) or [conf]:
+        for name in (namespaced, key):
+            if name is not None and name in mapping:
+                return name
+    return key
+
+
+def _namespaced(prefix: str | None, key: str) -> str | None:
+    if not prefix:
+        return None
+    name = prefix + key
+    # Celery's own rule: the namespaced key takes the case of the prefix.
+    return name.upper() if prefix.isupper() else name.lower()
+
+
 def load_config(conf: Any, environ: dict[str, str] | None = None) -> PglockConfig:
     """Build a PglockConfig from a Celery ``conf`` mapping and the environment."""
     environ = dict(os.environ) if environ is None else environ
@@ -220,17 +273,105 @@ def load_config(conf: Any, environ: dict[str, str] | None = None) -> PglockConfi
         try:
             values[field.name] = _PARSERS[field.name](raw)
         except (TypeError, ValueError) as exc:
+            if source == key:
+                source = _written_as(conf, key)
             shown = "<hidden>" if field.name == "dsn" else repr(raw)
             message = f"ignoring {source}={shown}: {exc}; using the default {field.default!r}"
             warnings.warn(message, RuntimeWarning, stacklevel=2)
-            logger.warning(message, extra={"setting": key})
+            logger.warning(message, extra={"setting": source})
     return PglockConfig(**values)
 
 
+_KEYS = tuple(key for key, _env, _default in SETTINGS)
+_VARIABLES = tuple(env for _key, env, _default in SETTINGS)
+
+
+@functools.lru_cache(maxsize=8)
+def _names(prefix: str | None) -> tuple[tuple[str, ...], frozenset[str]]:
+    """Every name under which a conf with ``prefix`` may hold a pglock setting."""
+    namespaced = (_namespaced(prefix, key) for key in _KEYS)
+    names = _KEYS + tuple(name for name in namespaced if name is not None)
+    return names, frozenset(names)
+
+
+@functools.lru_cache(maxsize=2)
+def _encoded_variables(encodekey: Callable[[str], Any]) -> tuple[Any, ...]:
+    return tuple(encodekey(env) for env in _VARIABLES)
+
+
+def _fingerprint(conf: Any) -> tuple[object, ...]:
+    """The raw values that load_config would read from ``conf`` and the environment.
+
+    Read straight from the maps behind Celery's conf, whose own lookup costs
+    microseconds per key: a map without any pglock name costs one set operation.
+    """
+    names, name_set = _names(getattr(conf, "prefix", None))
+    parts: list[object] = []
+    for mapping in getattr(conf, "maps", None) or [conf]:
+        if type(mapping) is not dict:
+            attributes = (
+                getattr(mapping.obj, "__dict__", None)
+                if isinstance(mapping, DictAttribute)
+                else None
+            )
+            if not isinstance(attributes, (dict, MappingProxyType)):
+                parts.append(tuple(mapping.get(name) for name in names))
+                continue
+            # A config object (module, class, Django settings): its own attributes
+            # (not inherited ones), and what a lazy wrapper wraps (Django's
+            # override_settings swaps it).
+            parts.append(attributes.get("_wrapped"))
+            mapping = attributes
+        disjoint = mapping.keys().isdisjoint(name_set)
+        parts.append(None if disjoint else tuple(map(mapping.get, names)))
+    environ = os.environ
+    # os.environ encodes the key at every lookup; its backing dict does not need to.
+    data = getattr(environ, "_data", None)
+    encodekey = getattr(environ, "encodekey", None)
+    if isinstance(data, dict) and encodekey is not None:
+        parts.append(tuple(map(data.get, _encoded_variables(encodekey))))
+    else:
+        parts.append(tuple(map(environ.get, _VARIABLES)))
+    return tuple(parts)
+
+
 def get_config(app: Celery) -> PglockConfig:
-    """Return the app's PglockConfig, read once and cached on the app."""
-    cached: PglockConfig | None = getattr(app, _CACHE_ATTRIBUTE, None)
-    if cached is None:
-        cached = load_config(app.conf)
-        setattr(app, _CACHE_ATTRIBUTE, cached)
-    return cached
+    """Return the app's PglockConfig, cached on the app until a raw value changes.
+
+    A value set after the first call (app.conf, the app's config object, a
+    ``PGLOCK_*`` variable) counts from the next call on.
+    """
+    conf = app.conf
+    fingerprint = _fingerprint(conf)
+    cached: tuple[tuple[object, ...], PglockConfig] | None = getattr(app, _CACHE_ATTRIBUTE, None)
+    if cached is not None and cached[0] == fingerprint:
+        return cached[1]
+    finalize = getattr(conf, "finalize", None)
+    if finalize is not None:
+        # A conf not yet read swaps in its real maps at the first lookup: take the
+        # fingerprint from those, or the next call would read everything again.
+        finalize()
+        fingerprint = _fingerprint(conf)
+        if cached is not None and cached[0] == fingerprint:
+            return cached[1]
+    # Taken before reading: a change made while reading shows at the next call.
+    config = load_config(conf)
+    setattr(app, _CACHE_ATTRIBUTE, (fingerprint, config))
+    return config
+
+
+def _mask_in_celery_reports() -> None:
+    """Make Celery mask pglock_dsn where it masks secrets (celery report, inspect conf).
+
+    Celery masks a setting whose name matches ``celery.app.utils.HIDDEN_SETTINGS``,
+    looked up at each use (Celery 5.3 to 5.7). A Celery without it is left
+    alone; the README says how to keep the password out of the DSN anyway.
+    """
+    hidden = getattr(celery.app.utils, "HIDDEN_SETTINGS", None)
+    if isinstance(hidden, re.Pattern) and not hidden.search("celery_pglock_dsn"):
+        extended = re.compile(f"{hidden.pattern}|(?i:PGLOCK_DSN)", hidden.flags)
+        # setattr: celery-types does not declare HIDDEN_SETTINGS.
+        setattr(celery.app.utils, "HIDDEN_SETTINGS", extended)  # noqa: B010
+
+
+_mask_in_celery_reports()

@@ -15,7 +15,6 @@ import base64
 import functools
 import math
 import os
-import re
 import secrets
 import socket
 import uuid
@@ -26,6 +25,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from . import sessions
 from .config import PglockConfig
+from .dsn import describe_target, redact
 from .exceptions import ConfigurationError, LockUnavailable
 from .sessions import LockSession, SessionConnection
 
@@ -39,36 +39,6 @@ ENCODED_NAME_MARK = "="
 SESSION_TOKEN_SETTING = "pglock.session"
 #: Ends a host name cut to fit application_name.
 CUT_HOST_MARK = "~"
-
-_URI_PASSWORD = re.compile(r"://[^/@:]*:([^/@]*)@")
-_KEYWORD_PASSWORD = re.compile(r"password\s*=\s*('(?:[^'\\]|\\.)*'|[^\s]+)")
-
-
-def redact(text: str, dsn: str | None) -> str:
-    """Return ``text`` with any password found in ``dsn`` replaced by ``***``."""
-    if not dsn:
-        return text
-    for pattern in (_URI_PASSWORD, _KEYWORD_PASSWORD):
-        for match in pattern.finditer(dsn):
-            secret = match.group(1)
-            if secret.startswith("'"):
-                secret = re.sub(r"\\(.)", r"\1", secret[1:-1])
-            if secret:
-                text = text.replace(secret, "***")
-    return text
-
-
-def describe_target(dsn: str) -> str:
-    """Return ``host:port/dbname`` of a DSN for messages, never its password."""
-    try:
-        params = conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError:
-        return "<malformed DSN>"
-    host = str(params.get("host") or params.get("hostaddr") or os.environ.get("PGHOST") or "")
-    port = str(params.get("port") or os.environ.get("PGPORT") or "5432")
-    dbname = str(params.get("dbname") or os.environ.get("PGDATABASE") or "")
-    where = f"{host or 'local socket'}:{port}"
-    return f"{where}/{dbname}" if dbname else where
 
 
 @functools.lru_cache(maxsize=1)

@@ -25,7 +25,7 @@ from pathlib import Path
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from pglock_celery.connection import redact
+from pglock_celery.dsn import describe_target
 
 from . import fleet
 from .services import postgres_service, redis_service
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         seed_tenants(dsn, [f"tenant-{n:03d}" for n in range(1, args.tenants + 1)])
         app.control.purge()
         app.backend.client.delete(SKIPS_KEY)
-        print(f"database {redact(dsn, dsn)}, broker {broker}, logs in {logs}", flush=True)
+        print(f"database {describe_target(dsn)}, broker {broker}, logs in {logs}", flush=True)
         started = time.monotonic()
         with started_fleet(args, env, logs) as crew:
             view = View(args, crew, dsn, app, started)

@@ -120,7 +120,7 @@ def test_a_holder_that_dies_frees_its_lock_although_it_forked_while_connecting(
 
 
 def test_a_child_leaving_the_with_block_leaves_the_parents_lock(pg_dsn: str, run_id: str) -> None:
-    """Probe: a forked child running off the end of `with lock:` releases nothing of its parent's."""
+    """Probe: a forked child running off the end of `with lock:` frees nothing of its parent's."""
     lock = make_lock(pg_dsn, f"adv:forkwith:{run_id}")
     with lock:
         conn = lock.connection

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import timeit
+import types
+from pathlib import Path
+
 import pytest
 from celery import Celery
 
@@ -56,13 +63,140 @@ def test_missing_dsn_names_the_setting_and_the_variable() -> None:
         PglockConfig().require_dsn()
 
 
-def test_config_is_read_once_and_cached_on_the_app() -> None:
+def test_a_dsn_that_does_not_parse_cleanly_is_refused_without_being_quoted() -> None:
+    config = PglockConfig(dsn="postgresql://postgres:Pw9x/7Zq@127.0.0.1:1/db")
+    with pytest.raises(ConfigurationError, match="not a valid connection string") as raised:
+        config.require_dsn()
+    message = str(raised.value)
+    assert "%2F" in message and "PGPASSWORD" in message
+    assert "Pw9x" not in message and "7Zq" not in message
+
+
+def test_config_is_cached_while_no_setting_changes() -> None:
     app = Celery("cfg", set_as_current=False)
     app.conf.pglock_dsn = "dbname=first"
     first = get_config(app)
-    app.conf.pglock_dsn = "dbname=second"
     assert get_config(app) is first
-    assert first.dsn == "dbname=first"
+    app.conf.broker_url = "memory://"  # not a pglock setting
+    assert get_config(app) is first
+
+
+def test_a_dsn_set_after_a_failed_call_counts_at_the_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PGLOCK_DSN", raising=False)
+    app = Celery("cfg", set_as_current=False)
+    with pytest.raises(ConfigurationError, match="no lock database"):
+        get_config(app).require_dsn()
+    app.conf.pglock_dsn = "dbname=second"
+    assert get_config(app).require_dsn() == "dbname=second"
+    app.conf.update(pglock_check_interval=7, pglock_dsn="dbname=third")
+    assert (get_config(app).dsn, get_config(app).check_interval) == ("dbname=third", 7.0)
+
+
+def test_a_changed_config_module_counts_at_the_next_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("pglock_test_settings")
+    module.pglock_dsn = "dbname=module"  # type: ignore[attr-defined]
+    app = Celery("cfg", set_as_current=False)
+    app.config_from_object(module)
+    assert get_config(app).dsn == "dbname=module"
+    monkeypatch.setattr(module, "pglock_dsn", "dbname=patched")
+    assert get_config(app).dsn == "dbname=patched"
+
+
+def test_a_changed_config_class_counts_at_the_next_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Settings:
+        pglock_dsn = "dbname=class"
+
+    app = Celery("cfg", set_as_current=False)
+    app.config_from_object(Settings)
+    assert get_config(app).on_lost == "raise"
+    monkeypatch.setattr(Settings, "pglock_on_lost", "terminate", raising=False)
+    assert get_config(app).on_lost == "terminate"
+
+
+def test_a_changed_environment_variable_counts_at_the_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PGLOCK_STRATEGY", raising=False)
+    app = Celery("cfg", set_as_current=False)
+    assert get_config(app).strategy == "reuse"
+    monkeypatch.setenv("PGLOCK_STRATEGY", "connect")
+    assert get_config(app).strategy == "connect"
+
+
+def test_a_cached_lookup_costs_a_small_fraction_of_a_read() -> None:
+    app = Celery("cfg", set_as_current=False)
+    app.config_from_object(types.SimpleNamespace(pglock_dsn="dbname=x"))
+    app.conf.pglock_check_interval = 3
+    get_config(app)
+    cached = min(timeit.repeat(lambda: get_config(app), number=200, repeat=5))
+    read = min(timeit.repeat(lambda: load_config(app.conf), number=200, repeat=5))
+    # About 60 times on an idle machine; 10 leaves room for a busy one.
+    assert cached * 10 < read
+
+
+class NamespacedSettings:
+    """What Django's settings module looks like with namespace="CELERY"."""
+
+    CELERY_BROKER_URL = "memory://"
+    CELERY_PGLOCK_DSN = "dbname=from_django"
+    CELERY_PGLOCK_CHECK_INTERVAL = "soon"
+
+
+def test_a_bad_value_under_a_namespace_is_named_as_the_user_wrote_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = Celery("ns", set_as_current=False)
+    app.config_from_object(NamespacedSettings, namespace="CELERY")
+    app.conf.pglock_retry_countdown = "later"
+    with pytest.warns(RuntimeWarning) as warned:
+        config = get_config(app)
+    messages = sorted(str(w.message) for w in warned)
+    assert messages[0].startswith("ignoring CELERY_PGLOCK_CHECK_INTERVAL='soon': ")
+    assert messages[1].startswith("ignoring pglock_retry_countdown='later': ")
+    assert "CELERY_PGLOCK_CHECK_INTERVAL='soon'" in caplog.text
+    assert config.dsn == "dbname=from_django"
+    assert config.check_interval == PglockConfig.check_interval
+
+
+def test_a_bad_dsn_value_is_never_shown(caplog: pytest.LogCaptureFixture) -> None:
+    class Settings:
+        CELERY_PGLOCK_DSN = b"host=h password=hunter2"
+
+    app = Celery("ns", set_as_current=False)
+    app.config_from_object(Settings, namespace="CELERY")
+    with pytest.warns(RuntimeWarning, match=r"^ignoring CELERY_PGLOCK_DSN=<hidden>: ") as warned:
+        get_config(app)
+    assert "hunter2" not in str(warned[0].message)
+    assert "hunter2" not in caplog.text
+
+
+@pytest.mark.parametrize("namespace", [None, "CELERY"])
+def test_celery_masks_pglock_dsn_where_it_masks_secrets(namespace: str | None) -> None:
+    key = "CELERY_PGLOCK_DSN" if namespace else "pglock_dsn"
+    app = Celery("masked", set_as_current=False)
+    app.config_from_object({key: "postgresql://u:hunter2@h/db"}, namespace=namespace)
+    # The tables of `celery report` and `celery inspect conf`.
+    assert app.conf.table()[key] == "********"
+    assert "hunter2" not in app.conf.humanize(with_defaults=True)
+
+
+def test_celery_report_masks_pglock_dsn(tmp_path: Path) -> None:
+    (tmp_path / "reported.py").write_text(
+        "from celery import Celery\n"
+        "from pglock_celery import TenantLockedTask\n"
+        "app = Celery('reported', broker='memory://')\n"
+        "app.conf.pglock_dsn = 'postgresql://u:hunter2@h/db'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "reported", "report"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "pglock_dsn: '********'" in done.stdout
+    assert "hunter2" not in done.stdout + done.stderr
 
 
 def test_every_setting_has_a_prefixed_name_and_variable() -> None:
