@@ -200,6 +200,7 @@ FROM pg_catalog.pg_trigger t
 JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid
 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE t.tgname = %(row)s AND NOT t.tgisinternal
+  AND t.tgparentid = 0  -- a partitioned table, not each partition's clone of its trigger
 """
 _TRIGGER = """
 SELECT t.tgfoid, t.tgtype, t.tgenabled, t.tgargs

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pglock_celery import ConfigurationError
@@ -85,6 +85,7 @@ def test_short_names_are_readable_and_long_ones_stay_apart() -> None:
     assert trigger_function_name("x" * 60 + "a") != trigger_function_name("x" * 60 + "b")
 
 
+@settings(database=None)
 @given(st.text(alphabet=st.characters(blacklist_characters="{}"), max_size=30))
 def test_a_template_without_fields_is_one_literal(text: str) -> None:
     assert parse_template(text or "x") == [(text or "x", None)]
