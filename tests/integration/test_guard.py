@@ -791,3 +791,35 @@ def test_the_orchestrator_guards_its_tables_with_its_steps_lock(pg_dsn: str) -> 
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+
+
+def test_a_partitioned_table_is_listed_once_and_its_partitions_are_guarded(
+    admin: psycopg.Connection, schema: str, plain: psycopg.Connection, run_id: str
+) -> None:
+    parent = f"{schema}.parted_{run_id}"
+    admin.execute(f"CREATE TABLE {parent} (tenant_id text, n int) PARTITION BY LIST (tenant_id)")
+    admin.execute(f"CREATE TABLE {parent}_a PARTITION OF {parent} FOR VALUES IN ('a')")
+    install_guard(admin, parent, TEMPLATE)
+    assert [t.table for t in guarded_tables(admin) if t.table.startswith(parent)] == [parent]
+    refused(plain, f"INSERT INTO {parent}_a VALUES ('a', 0)")
+    assert admin.execute(f"SELECT count(*) FROM {parent}").fetchone() == (0,)
+
+
+def test_the_guard_sees_the_row_as_the_tables_other_before_triggers_left_it(
+    admin: psycopg.Connection, schema: str, tenants: list[str], pg_dsn: str
+) -> None:
+    """A trigger that rewrites the tenant cannot carry a write past the guard."""
+    table = new_table(admin, schema, [])
+    admin.execute(
+        f"CREATE FUNCTION {table}_retarget() RETURNS trigger LANGUAGE plpgsql AS"
+        f" $$BEGIN NEW.tenant_id := '{tenants[1]}'; RETURN NEW; END$$"
+    )
+    admin.execute(
+        f"CREATE TRIGGER set_tenant BEFORE INSERT ON {table}"
+        f" FOR EACH ROW EXECUTE FUNCTION {table}_retarget()"
+    )
+    install_guard(admin, table, TEMPLATE)
+    with try_lock(lock_of(tenants[0]), dsn=pg_dsn) as lock:
+        error = refused(lock.connection, f"INSERT INTO {table} VALUES (%s, 0)", (tenants[0],))
+    assert f'"{lock_of(tenants[1])}"' in str(error)
+    assert rows(admin, table) == {}
