@@ -10,6 +10,7 @@ from .exceptions import (
     LockUnavailable,
     PglockError,
 )
+from .guard import install_guard, remove_guard
 from .keys import lock_key
 from .lock import AdvisoryLock, current_lock, try_lock, wait_lock
 from .task import LOCK_LOST_EVENT, LOCK_SKIPPED_EVENT, TenantLockedTask
@@ -26,7 +27,9 @@ __all__ = [
     "PglockError",
     "TenantLockedTask",
     "current_lock",
+    "install_guard",
     "lock_key",
+    "remove_guard",
     "try_lock",
     "wait_lock",
 ]

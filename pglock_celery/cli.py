@@ -1,4 +1,4 @@
-"""The pglock-celery command: who holds which lock, a key for a name, a doctor.
+"""The pglock-celery command: who holds which lock, a key for a name, a doctor, guards.
 
 Exit codes: 0 fine, 1 the doctor found something that makes the locks unsafe,
 2 bad input or a database that cannot be reached (one line on stderr, never a
@@ -19,6 +19,7 @@ import psycopg
 from .doctor import run_checks
 from .dsn import describe_target, dsn_problem, redact
 from .exceptions import PglockError
+from .guard import GuardedTable, guarded_tables, install_guard, remove_guard
 from .inspect import Holder, list_holders
 from .keys import lock_key
 
@@ -133,6 +134,40 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_guard_install(args: argparse.Namespace) -> int:
+    with connect(_dsn(args)) as conn:
+        install_guard(conn, args.table, args.lock)
+    print(f"guarded {args.table}: a write to a row needs the lock {args.lock}")
+    return 0
+
+
+def cmd_guard_remove(args: argparse.Namespace) -> int:
+    with connect(_dsn(args)) as conn:
+        remove_guard(conn, args.table)
+    print(f"{args.table} is not guarded")
+    return 0
+
+
+def _guard_state(table: GuardedTable) -> str:
+    if not table.enabled:
+        return "DISABLED (writes are not checked)"
+    return "on" if table.truncate_guarded else "on (TRUNCATE not guarded)"
+
+
+def cmd_guard_list(args: argparse.Namespace) -> int:
+    with connect(_dsn(args)) as conn:
+        tables = guarded_tables(conn)
+    if args.json:
+        print(json.dumps([{**vars(t), "state": _guard_state(t)} for t in tables], indent=2))
+        return 0
+    rows = [("TABLE", "LOCK", "STATE"), *((t.table, t.lock_name, _guard_state(t)) for t in tables)]
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    for table, lock, state in rows:
+        print(f"{table.ljust(widths[0])}  {lock.ljust(widths[1])}  {state}")
+    print(f"{len(tables)} guarded table(s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pglock-celery", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -158,6 +193,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="lock sessions the fleet may open at once (worker processes x concurrency)",
     )
     doctor.set_defaults(run=cmd_doctor)
+
+    guard = commands.add_parser(
+        "guard", help="guarded tables: Postgres refuses a write without the row's lock"
+    )
+    guards = guard.add_subparsers(dest="guard_command", required=True)
+    install = guards.add_parser("install", help="guard a table (idempotent)")
+    install.add_argument("table", help="the table, schema-qualified or on the search_path")
+    install.add_argument(
+        "--lock",
+        required=True,
+        metavar="TEMPLATE",
+        help='lock name over columns: "training:{tenant_id}"',
+    )
+    install.set_defaults(run=cmd_guard_install)
+    remove = guards.add_parser("remove", help="remove a table's guard")
+    remove.add_argument("table")
+    remove.set_defaults(run=cmd_guard_remove)
+    listing = guards.add_parser("list", help="every guarded table with its lock name template")
+    listing.add_argument("--json", action="store_true", help="JSON for scripts")
+    listing.set_defaults(run=cmd_guard_list)
+    for command in (install, remove, listing):
+        command.add_argument("--dsn", help="the database (default: PGLOCK_DSN)")
     return parser
 
 

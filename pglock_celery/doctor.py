@@ -14,6 +14,7 @@ import psycopg
 from .config import PglockConfig
 from .connection import application_name, open_session
 from .exceptions import LockUnavailable
+from .guard import ROW_TRIGGER, guarded_tables
 
 MIN_SERVER_VERSION = 140000
 #: Server keepalives slower than this (seconds) leave other sessions' locks
@@ -219,6 +220,32 @@ def check_privileges(conn: psycopg.Connection) -> Iterator[Finding]:
         yield Finding("privileges", "ok", "may take advisory locks and see every holder")
 
 
+def check_guards(conn: psycopg.Connection) -> Iterator[Finding]:
+    """One finding per guarded table: its lock name, and whether the guard is on."""
+    tables = guarded_tables(conn)
+    if not tables:
+        yield Finding("guarded tables", "ok", "none (pglock-celery guard install TABLE --lock ...)")
+    for table in tables:
+        if not table.enabled:
+            yield Finding(
+                "guarded table",
+                "fail",
+                f"{table.table} (lock {table.lock_name}): its trigger is disabled, so writes"
+                " without the lock go through",
+                f"ALTER TABLE {table.table} ENABLE TRIGGER {ROW_TRIGGER}, or"
+                f" pglock-celery guard install {table.table} --lock '{table.lock_name}'",
+            )
+        elif not table.truncate_guarded:
+            yield Finding(
+                "guarded table",
+                "warn",
+                f"{table.table} (lock {table.lock_name}): TRUNCATE is not guarded",
+                f"pglock-celery guard install {table.table} --lock '{table.lock_name}'",
+            )
+        else:
+            yield Finding("guarded table", "ok", f"{table.table}: lock {table.lock_name}")
+
+
 def run_checks(dsn: str, *, lock_sessions: int = 0) -> list[Finding]:
     """Run every check against ``dsn`` and return the findings in order."""
     findings = list(check_lock_session(dsn))
@@ -231,6 +258,7 @@ def run_checks(dsn: str, *, lock_sessions: int = 0) -> list[Finding]:
             lambda: check_keepalives(conn),
             lambda: check_connections(conn, lock_sessions),
             lambda: check_privileges(conn),
+            lambda: check_guards(conn),
         ]
         for check in checks:
             findings.extend(check())

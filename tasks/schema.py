@@ -3,18 +3,23 @@
 Pipeline state (tenants, pipelines, step_history, onboarding_history) is
 written only through a held lock's own connection. The simulated training
 service keeps its own table (training_jobs), as an external system would.
+``pipelines`` and ``step_history`` are guarded tables: Postgres itself refuses a
+write to a tenant's rows from a session that does not hold the tenant's lock.
 """
 
 from __future__ import annotations
 
 import psycopg
 
-from pglock_celery import wait_lock
+from pglock_celery import install_guard, wait_lock
 
 #: The stages of one tenant's pipeline, in order; "stopped" halts a tenant.
 STAGES = ("due", "training", "downloading", "evaluating")
 STOPPED = "stopped"
 TENANT_ID_MAX = 64
+#: The lock of a tenant's pipeline: the steps' lock_name, and the guard of its tables.
+PIPELINE_LOCK = "training:{tenant_id}"
+GUARDED_TABLES = ("pipelines", "step_history")
 
 DDL = f"""
 CREATE TABLE IF NOT EXISTS tenants (
@@ -70,10 +75,12 @@ CREATE TABLE IF NOT EXISTS training_jobs (
 
 
 def apply_schema(dsn: str) -> None:
-    """Create the tables if they are missing; safe from several processes at once."""
+    """Create the tables and their guards if missing; safe from several processes at once."""
     with wait_lock("orchestrator:schema", dsn=dsn, timeout=60) as lock:
         with lock.connection.transaction():
             lock.connection.execute(DDL)
+            for table in GUARDED_TABLES:
+                install_guard(lock.connection, table, PIPELINE_LOCK)
 
 
 def reset_schema(dsn: str) -> None:

@@ -1,8 +1,9 @@
 """Adding and removing tenants.
 
 Onboarding is serial: every addition holds the shared ``onboarding`` lock
-(``lock_mode="wait"``). Removing a tenant takes that tenant's own pipeline
-lock, so it never cuts a running step short.
+(``lock_mode="wait"``), and the new tenant's pipeline lock for the transaction
+that inserts its row (the pipelines table is guarded). Removing a tenant takes
+that tenant's own pipeline lock, so it never cuts a running step short.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import os
 
 import psycopg
 
-from pglock_celery import TenantLockedTask, current_lock, wait_lock
+from pglock_celery import TenantLockedTask, current_lock, lock_key, wait_lock
 
 from .celery_app import app
-from .schema import TENANT_ID_MAX
+from .schema import PIPELINE_LOCK, TENANT_ID_MAX
 
 ONBOARDING_LOCK = "onboarding"
 
@@ -38,7 +39,11 @@ def check_tenant_id(tenant_id: object) -> str:
 
 
 def insert_tenant(conn: psycopg.Connection, tenant_id: str) -> None:
-    """Insert a tenant and its pipeline row in one transaction, or change nothing."""
+    """Insert a tenant and its pipeline row in one transaction, or change nothing.
+
+    The pipeline row is written under the tenant's pipeline lock, taken on ``conn`` for
+    this transaction only (the guard of the pipelines table demands it).
+    """
     check_tenant_id(tenant_id)
     with conn.transaction():
         inserted = conn.execute(
@@ -47,6 +52,10 @@ def insert_tenant(conn: psycopg.Connection, tenant_id: str) -> None:
         ).fetchone()
         if inserted is None:
             raise TenantError(f"tenant {tenant_id!r} already exists")
+        key = lock_key(PIPELINE_LOCK.format(tenant_id=tenant_id))
+        locked = conn.execute("SELECT pg_try_advisory_xact_lock(%s)", (key,)).fetchone()
+        if not (locked and locked[0]):
+            raise TenantError(f"tenant {tenant_id!r} is locked by a running step")
         conn.execute("INSERT INTO pipelines (tenant_id) VALUES (%s)", (tenant_id,))
 
 

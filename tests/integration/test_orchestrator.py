@@ -157,6 +157,8 @@ def test_corrupted_pipeline_row_stops_that_tenant_and_the_others_go_on(
     orc = orchestra()
     orc.seed(3)
     with orc.connect() as conn:
+        # An operator's hand edit: pipelines is a guarded table, so it turns the guard off.
+        conn.execute("SET pglock.guard = off")
         conn.execute("UPDATE pipelines SET stage = 'bogus' WHERE tenant_id = 'tenant-002'")
     orc.replicas(2)
     orc.beat()

@@ -1,0 +1,588 @@
+"""Guarded tables: Postgres refuses a write to a row unless the writing session holds its lock.
+
+``install_guard(conn_or_dsn, "pipelines", "training:{tenant_id}")`` puts on the table:
+
+- ``zz_pglock_guard``: a BEFORE INSERT OR UPDATE OR DELETE row trigger that builds the
+  row's lock name from the template over its columns, computes its key with
+  ``pglock_key()`` and raises (SQLSTATE ``PGL01``) unless this session holds that lock.
+  An UPDATE that changes the name needs the old and the new lock. The template is the
+  trigger's argument, so ``\\d pipelines`` shows it and ``guarded_tables()`` reads it
+  back. Its name sorts after the usual trigger names: BEFORE triggers fire in name
+  order, and the guard must see the row as it will be written.
+- ``zz_pglock_guard_truncate``: a BEFORE TRUNCATE statement trigger that refuses (a
+  TRUNCATE changes every tenant's rows at once).
+- its trigger function ``pglock_guard_<table>()``, generated for the table, in the
+  table's schema (dropped with it).
+
+and, once per database, in schema ``public``: ``pglock_key(text)`` (equal to
+:func:`~pglock_celery.keys.lock_key` for every string), ``pglock_key_from_hex(text)``
+(its arithmetic on a digest prefix), and the shared functions of the slow path and of
+TRUNCATE. They are replaced only when their text changes.
+
+Who holds a lock: a session whose ``pglock.held`` setting (written by every lock
+statement of this library) lists the key, and that gets
+``pg_try_advisory_xact_lock_shared(key)``: no other session holds the lock, and none
+can take it before this transaction ends. That path never reads ``pg_locks`` (G9).
+Otherwise (hand-rolled ``pg_advisory_lock`` code) the session's own entries in
+``pg_locks`` decide, which costs a scan of the server's lock table per row.
+
+``SET [LOCAL] pglock.guard = off`` turns the guard off for a session or a transaction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import string
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+
+from .connection import describe_target, redact
+from .exceptions import ConfigurationError, LockTimeout, LockUnavailable
+from .keys import lock_key
+from .lock import HELD_SETTING
+
+#: The SQLSTATE of a refused write. psycopg raises it as a ``ProgrammingError``
+#: (code class ``P``): not an IntegrityError that an ORM might swallow, nor a
+#: transaction-rollback error that a retry loop would repeat.
+GUARD_SQLSTATE = "PGL01"
+#: The session setting that turns the guard off (``SET LOCAL pglock.guard = off``).
+GUARD_SETTING = "pglock.guard"
+ROW_TRIGGER = "zz_pglock_guard"
+TRUNCATE_TRIGGER = "zz_pglock_guard_truncate"
+#: The application_name of the connection install_guard opens for a DSN.
+APPLICATION_NAME = "pglock-celery-guard"
+#: Column types whose text in Postgres is what str.format gives for the value psycopg
+#: reads from them (str, int, uuid.UUID): text, varchar, smallint, integer, bigint, uuid.
+NAME_COLUMN_TYPES = {
+    "text": "text",
+    "varchar": "character varying",
+    "int2": "smallint",
+    "int4": "integer",
+    "int8": "bigint",
+    "uuid": "uuid",
+}
+#: How long installing or removing waits for its lock on a busy table (when the
+#: session has no lock_timeout of its own): a waiting ALTER would queue every writer.
+TABLE_LOCK_TIMEOUT = "10s"
+
+# Installers of one database take turns (functions in public, triggers).
+_INSTALL_KEY = lock_key("pglock-celery:guard-install")
+_FUNCTION_NAME_MAX_BYTES = 63
+
+# The offset arithmetic in numeric, so that nothing overflows bigint: the signed value s
+# of the 16 hex digits is u (unsigned) mod 2**64, the key is u - (2**63 - 1) with 2**63
+# wrapping to -2**63, that is ((s + 1) mod 2**64) - 2**63. The digest is referenced once,
+# so that Postgres inlines pglock_key() into the trigger's expression.
+_KEY_FROM_HEX = f"""
+SELECT ((('x' || prefix)::bit(64)::bigint::numeric + {2**64 + 1}) % {2**64}
+        - {2**63})::bigint
+"""
+# md5() hashes the text as the server stores it: UTF-8 bytes in a UTF8 (or SQL_ASCII)
+# database. Elsewhere convert_to() gives them, at the price of inlining (it is only STABLE).
+_KEY = "SELECT public.pglock_key_from_hex(left(md5({bytes}), 16))"
+_UTF8_BYTES = "name"
+_CONVERTED_BYTES = "convert_to(name, 'UTF8')"
+
+_OFF_TEST = f"lower(current_setting('{GUARD_SETTING}', true)) IN ('off', 'false', 'no', '0')"
+
+# The slow path, only when the fast one failed: a hand-rolled holder, or a refusal.
+_CHECK = f"""
+DECLARE
+  db oid := (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database());
+  holder integer;
+BEGIN
+  IF pg_try_advisory_xact_lock_shared(key) THEN
+    -- Nobody else holds it: does this session, by hand-rolled pg_advisory_lock?
+    IF EXISTS (
+      SELECT FROM pg_catalog.pg_locks
+      WHERE locktype = 'advisory' AND database = db AND objsubid = 1
+        AND classid = ((key >> 32) & 4294967295)::oid AND objid = (key & 4294967295)::oid
+        AND pid = pg_backend_pid() AND mode = 'ExclusiveLock' AND granted
+    ) THEN
+      RETURN;
+    END IF;
+  ELSE
+    SELECT pid INTO holder FROM pg_catalog.pg_locks
+    WHERE locktype = 'advisory' AND database = db AND objsubid = 1
+      AND classid = ((key >> 32) & 4294967295)::oid AND objid = (key & 4294967295)::oid
+      AND mode = 'ExclusiveLock' AND granted
+    LIMIT 1;
+  END IF;
+  RAISE EXCEPTION USING
+    ERRCODE = '{GUARD_SQLSTATE}',
+    MESSAGE = format(
+      'pglock guard: %s on %I.%I refused: this session does not hold the lock "%s"',
+      op, schema_name, table_name, lock_name),
+    DETAIL = format('The lock''s key is %s; %s.', key,
+      CASE WHEN holder IS NOT NULL THEN format('the session of backend pid %s holds it', holder)
+           ELSE 'no session holds it' END),
+    HINT = format('Take the lock and write through its connection (try_lock(%L).connection, '
+      'or current_lock().connection in a task body); a migration or an operator can '
+      'SET LOCAL {GUARD_SETTING} = off.', lock_name);
+END
+"""
+
+_TRUNCATE = f"""
+BEGIN
+  IF {_OFF_TEST} THEN
+    RETURN NULL;
+  END IF;
+  RAISE EXCEPTION USING
+    ERRCODE = '{GUARD_SQLSTATE}',
+    MESSAGE = format('pglock guard: TRUNCATE of %I.%I refused: it would change every '
+      'lock''s rows at once', TG_TABLE_SCHEMA, TG_TABLE_NAME),
+    HINT = 'A migration or an operator can SET LOCAL {GUARD_SETTING} = off first.';
+END
+"""
+
+
+def shared_functions(server_encoding: str) -> list[tuple[str, str, str]]:
+    """(signature, CREATE statement with {} for the body, body) of each shared function."""
+    utf8 = server_encoding.upper() in ("UTF8", "SQL_ASCII")
+    key = _KEY.format(bytes=_UTF8_BYTES if utf8 else _CONVERTED_BYTES)
+    return [
+        (
+            "public.pglock_key_from_hex(text)",
+            "CREATE OR REPLACE FUNCTION public.pglock_key_from_hex(prefix text) RETURNS bigint"
+            " LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS {}",
+            _KEY_FROM_HEX,
+        ),
+        (
+            "public.pglock_key(text)",
+            "CREATE OR REPLACE FUNCTION public.pglock_key(name text) RETURNS bigint"
+            " LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS {}",
+            key,
+        ),
+        (
+            "public.pglock_guard_check(text,name,name,text,bigint)",
+            "CREATE OR REPLACE FUNCTION public.pglock_guard_check(op text, schema_name name,"
+            " table_name name, lock_name text, key bigint) RETURNS void LANGUAGE plpgsql AS {}",
+            _CHECK,
+        ),
+        (
+            "public.pglock_guard_truncate()",
+            "CREATE OR REPLACE FUNCTION public.pglock_guard_truncate() RETURNS trigger"
+            " LANGUAGE plpgsql AS {}",
+            _TRUNCATE,
+        ),
+    ]
+
+
+_TABLE = """
+SELECT c.oid, n.nspname, c.relname, c.relkind
+FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = to_regclass(%s)
+"""
+# Each column with the type its domains (if any) rest on.
+_COLUMNS = """
+WITH RECURSIVE base (attname, attgenerated, typ, depth) AS (
+  SELECT attname, attgenerated, atttypid, 0
+  FROM pg_catalog.pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped
+  UNION ALL
+  SELECT b.attname, b.attgenerated, t.typbasetype, b.depth + 1
+  FROM base b JOIN pg_catalog.pg_type t ON t.oid = b.typ WHERE t.typtype = 'd'
+)
+SELECT DISTINCT ON (attname) attname, attgenerated, t.typname, format_type(t.oid, NULL)
+FROM base b JOIN pg_catalog.pg_type t ON t.oid = b.typ
+ORDER BY attname, depth DESC
+"""
+_GUARDED = """
+SELECT n.nspname, c.relname, t.tgargs, t.tgenabled,
+       EXISTS (SELECT FROM pg_catalog.pg_trigger u
+               WHERE u.tgrelid = t.tgrelid AND u.tgname = %(truncate)s)
+FROM pg_catalog.pg_trigger t
+JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid
+JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE t.tgname = %(row)s AND NOT t.tgisinternal
+  AND t.tgparentid = 0  -- a partitioned table, not each partition's clone of its trigger
+"""
+_TRIGGER = """
+SELECT t.tgfoid, t.tgtype, t.tgenabled, t.tgargs
+FROM pg_catalog.pg_trigger t WHERE t.tgrelid = %s AND t.tgname = %s
+"""
+# BEFORE ROW INSERT DELETE UPDATE, and BEFORE TRUNCATE (statement): pg_trigger.tgtype bits.
+_ROW_TYPE = 1 | 2 | 4 | 8 | 16
+_TRUNCATE_TYPE = 2 | 32
+
+
+@dataclass(frozen=True)
+class GuardedTable:
+    """A table with a guard, as the database shows it."""
+
+    #: ``schema.table``.
+    table: str
+    #: The lock name template over the table's columns.
+    lock_name: str
+    #: False when the row trigger is disabled (ALTER TABLE ... DISABLE TRIGGER) or
+    #: fires only on replicas: writes are then not guarded.
+    enabled: bool
+    #: False when the TRUNCATE trigger is missing.
+    truncate_guarded: bool
+
+
+def parse_template(lock_name: str) -> list[tuple[str, str | None]]:
+    """Split a lock name template into (literal text, column or None) pairs.
+
+    The syntax of a task's lock_name: ``str.format`` fields that name a column each.
+    Only plain names: no positional field, attribute, index, conversion or format spec.
+    Raises ConfigurationError saying what is wrong.
+    """
+    if not isinstance(lock_name, str) or not lock_name:
+        raise ConfigurationError(f"lock name template must be a non-empty str, got {lock_name!r}")
+    try:
+        parsed = list(string.Formatter().parse(lock_name))
+    except ValueError as exc:
+        raise ConfigurationError(f"lock name template {lock_name!r}: {exc}") from None
+    parts: list[tuple[str, str | None]] = []
+    for literal, field, spec, conversion in parsed:
+        if field is not None:
+            if not field.isidentifier():
+                raise ConfigurationError(
+                    f"lock name template {lock_name!r}: field {{{field}}} must be a plain"
+                    " column name (no positional field, attribute or index)"
+                )
+            if spec or conversion:
+                raise ConfigurationError(
+                    f"lock name template {lock_name!r}: field {{{field}}} may not have a"
+                    " conversion or format spec: the name is built in SQL from the column's text"
+                )
+        parts.append((literal, field))
+    return parts
+
+
+def template_columns(lock_name: str) -> list[str]:
+    """Return the column names a template uses, in order, each once."""
+    return list(dict.fromkeys(f for _, f in parse_template(lock_name) if f is not None))
+
+
+def name_expression(parts: list[tuple[str, str | None]], row: str) -> sql.Composable:
+    """The SQL expression of a row's lock name (``row`` is NEW or OLD).
+
+    A column's text is ``value::text`` (text, integers and uuids print as str.format
+    prints what psycopg reads from them) and ``None`` for NULL, as str.format of None.
+    """
+    pieces: list[sql.Composable] = []
+    for literal, field in parts:
+        if literal:
+            pieces.append(sql.Literal(literal))
+        if field is not None:
+            pieces.append(
+                sql.SQL("coalesce({}.{}::text, 'None')").format(sql.SQL(row), sql.Identifier(field))
+            )
+    return sql.SQL(" || ").join(pieces)
+
+
+def trigger_function_body(parts: list[tuple[str, str | None]]) -> sql.Composable:
+    """The PL/pgSQL body of a table's row trigger function."""
+    check = sql.SQL(
+        "key := public.pglock_key({name});\n"
+        "    IF strpos(held, ',' || key || ',') = 0"
+        " OR NOT pg_try_advisory_xact_lock_shared(key) THEN\n"
+        "      PERFORM public.pglock_guard_check(TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME,"
+        " {name}, key);\n"
+        "    END IF;"
+    )
+    return sql.SQL(
+        """
+DECLARE
+  held text;
+  old_name text;
+  new_name text;
+  key bigint;
+BEGIN
+  IF {off} THEN
+    IF TG_OP = 'DELETE' THEN RETURN OLD; END IF;
+    RETURN NEW;
+  END IF;
+  held := coalesce(current_setting({held_setting}, true), '');
+  IF TG_OP <> 'INSERT' THEN
+    old_name := {old};
+    {check_old}
+    IF TG_OP = 'DELETE' THEN RETURN OLD; END IF;
+  END IF;
+  new_name := {new};
+  IF new_name IS DISTINCT FROM old_name THEN
+    {check_new}
+  END IF;
+  RETURN NEW;
+END
+"""
+    ).format(
+        off=sql.SQL(_OFF_TEST),
+        held_setting=sql.Literal(HELD_SETTING),
+        old=name_expression(parts, "OLD"),
+        new=name_expression(parts, "NEW"),
+        check_old=check.format(name=sql.SQL("old_name")),
+        check_new=check.format(name=sql.SQL("new_name")),
+    )
+
+
+def trigger_function_name(table: str) -> str:
+    """``pglock_guard_<table>``, cut with a hash suffix to fit 63 bytes."""
+    name = f"pglock_guard_{table}"
+    if len(name.encode()) <= _FUNCTION_NAME_MAX_BYTES:
+        return name
+    digest = hashlib.md5(table.encode(), usedforsecurity=False).hexdigest()[:8]
+    head = name.encode()[: _FUNCTION_NAME_MAX_BYTES - 9].decode(errors="ignore")
+    return f"{head}_{digest}"
+
+
+@contextlib.contextmanager
+def _connection(conn_or_dsn: psycopg.Connection | str) -> Iterator[psycopg.Connection]:
+    if isinstance(conn_or_dsn, psycopg.Connection):
+        yield conn_or_dsn
+        return
+    if not isinstance(conn_or_dsn, str):
+        raise TypeError(
+            "conn_or_dsn must be a psycopg Connection or a DSN str,"
+            f" not {type(conn_or_dsn).__name__}"
+        )
+    dsn = conn_or_dsn
+    try:
+        conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        raise ConfigurationError(
+            f"not a valid connection string: {redact(str(exc), dsn)}"
+        ) from None
+    try:
+        conn = psycopg.connect(
+            dsn, autocommit=True, connect_timeout=10, application_name=APPLICATION_NAME
+        )
+    except psycopg.Error as exc:
+        reason = " ".join(str(exc).split())
+        raise LockUnavailable(
+            f"cannot connect to {describe_target(dsn)}: {redact(reason, dsn)}"
+        ) from exc
+    with conn:
+        yield conn
+
+
+@contextlib.contextmanager
+def _errors(action: str, conn_or_dsn: psycopg.Connection | str) -> Iterator[None]:
+    """Turn psycopg errors into PglockErrors, once, at the boundary."""
+    dsn = conn_or_dsn if isinstance(conn_or_dsn, str) else None
+    try:
+        yield
+    except pg_errors.LockNotAvailable as exc:
+        raise LockTimeout(
+            f"{action}: the table is busy (long transactions hold it), so its lock was not"
+            f" granted within the lock_timeout; retry: {_one_line(exc, dsn)}"
+        ) from exc
+    except psycopg.OperationalError as exc:
+        raise LockUnavailable(f"{action}: {_one_line(exc, dsn)}") from exc
+    except psycopg.Error as exc:
+        raise ConfigurationError(f"{action}: {_one_line(exc, dsn)}") from exc
+
+
+def _one_line(exc: BaseException, dsn: str | None) -> str:
+    return redact(" ".join(str(exc).split()), dsn)
+
+
+@contextlib.contextmanager
+def _transaction(conn: psycopg.Connection) -> Iterator[None]:
+    """One transaction (a savepoint inside the caller's), waiting a bounded time for locks."""
+    with conn.transaction():
+        row = conn.execute("SELECT current_setting('lock_timeout')").fetchone()
+        bounded = row is not None and row[0] == "0"
+        if bounded:
+            conn.execute("SELECT set_config('lock_timeout', %s, true)", (TABLE_LOCK_TIMEOUT,))
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_INSTALL_KEY,))
+        yield
+        if bounded:  # the caller's transaction goes on: give it back its own setting
+            conn.execute("SELECT set_config('lock_timeout', '0', true)")
+
+
+def _resolve_table(conn: psycopg.Connection, table: str) -> tuple[int, str, str]:
+    """Return (oid, schema, name) of ``table`` (SQL syntax, search_path applies)."""
+    if not isinstance(table, str) or not table.strip():
+        raise ConfigurationError(f"table must be a non-empty str, got {table!r}")
+    try:
+        with conn.transaction():
+            row = conn.execute(_TABLE, (table,)).fetchone()
+    except (pg_errors.InvalidName, pg_errors.SyntaxError) as exc:
+        raise ConfigurationError(f"{table!r} is not a table name: {_one_line(exc, None)}") from None
+    if row is None:
+        raise ConfigurationError(f"no table {table!r} in this database (search_path applies)")
+    oid, schema, name, kind = row
+    if kind not in ("r", "p"):
+        raise ConfigurationError(f"{schema}.{name} is not a table (relkind {kind!r})")
+    return int(oid), str(schema), str(name)
+
+
+def _check_columns(
+    conn: psycopg.Connection, oid: int, qualified: str, lock_name: str
+) -> list[tuple[str, str | None]]:
+    parts = parse_template(lock_name)
+    columns = {
+        name: (generated, typname, shown)
+        for name, generated, typname, shown in conn.execute(_COLUMNS, (oid,)).fetchall()
+    }
+    for field in template_columns(lock_name):
+        if field not in columns:
+            raise ConfigurationError(
+                f"lock name template {lock_name!r} names {{{field}}}, which is not a column of"
+                f" {qualified} (its columns: {', '.join(sorted(columns))})"
+            )
+        generated, typname, shown = columns[field]
+        if generated:
+            raise ConfigurationError(
+                f"{qualified}.{field} is a generated column: a BEFORE trigger sees it before"
+                " it is computed, so it cannot be part of a lock name"
+            )
+        if typname not in NAME_COLUMN_TYPES:
+            raise ConfigurationError(
+                f"{qualified}.{field} is of type {shown}, whose text in Postgres may differ"
+                " from str.format's; a lock name column must be one of: "
+                + ", ".join(NAME_COLUMN_TYPES.values())
+            )
+    return parts
+
+
+def _function_source(conn: psycopg.Connection, signature: str) -> str | None:
+    row = conn.execute(
+        "SELECT prosrc FROM pg_catalog.pg_proc WHERE oid = to_regprocedure(%s)", (signature,)
+    ).fetchone()
+    return str(row[0]) if row else None
+
+
+def _install_shared(conn: psycopg.Connection) -> None:
+    """pglock_key() and the guard's shared functions, created or replaced when they differ."""
+    if conn.execute("SELECT to_regnamespace('public')").fetchone() in (None, (None,)):
+        raise ConfigurationError(
+            "install_guard puts pglock_key() in the schema public, which this database lacks"
+        )
+    encoding = conn.execute("SELECT current_setting('server_encoding')").fetchone()
+    assert encoding is not None
+    for signature, create, body in shared_functions(str(encoding[0])):
+        if _function_source(conn, signature) != body:
+            conn.execute(sql.SQL(create).format(sql.Literal(body)))
+
+
+def _trigger(conn: psycopg.Connection, oid: int, name: str) -> tuple[int, int, str, bytes] | None:
+    row = conn.execute(_TRIGGER, (oid, name)).fetchone()
+    return (int(row[0]), int(row[1]), str(row[2]), bytes(row[3])) if row else None
+
+
+def install_guard(conn_or_dsn: psycopg.Connection | str, table: str, lock_name: str) -> None:
+    """Guard ``table``: a write to a row needs the lock named by ``lock_name`` over its columns.
+
+    ``lock_name`` is a template with the syntax of a task's lock_name, each field a column
+    of the table (text, varchar, smallint, integer, bigint or uuid), e.g.
+    ``"training:{tenant_id}"``. Idempotent: installing again with the same template
+    changes nothing (and takes no lock on the table); with another, replaces it in place.
+
+    Runs in one transaction: a savepoint when ``conn_or_dsn`` is a connection inside a
+    transaction (a migration), which the caller then commits. A DSN gets a connection
+    of its own. A missing table, a template naming an unknown column or an unsupported
+    type raise ConfigurationError before anything changes; a table too busy to lock
+    within 10 s raises LockTimeout; connection failures raise LockUnavailable.
+    """
+    parse_template(lock_name)  # a bad template fails before any connection
+    action = f"cannot guard {table!r}"
+    with _errors(action, conn_or_dsn), _connection(conn_or_dsn) as conn, _transaction(conn):
+        oid, schema, name = _resolve_table(conn, table)
+        qualified = f"{schema}.{name}"
+        parts = _check_columns(conn, oid, qualified, lock_name)
+        _install_shared(conn)
+        function = sql.Identifier(schema, trigger_function_name(name))
+        body = trigger_function_body(parts).as_string(conn)
+        signature = function.as_string(conn) + "()"
+        if _function_source(conn, signature) != body:
+            conn.execute(
+                sql.SQL(
+                    "CREATE OR REPLACE FUNCTION {}() RETURNS trigger LANGUAGE plpgsql AS {}"
+                ).format(function, sql.Literal(body))
+            )
+            conn.execute(
+                sql.SQL("COMMENT ON FUNCTION {}() IS {}").format(
+                    function, sql.Literal(f"pglock guard of {qualified}: {lock_name}")
+                )
+            )
+        row = conn.execute("SELECT to_regprocedure(%s)::oid", (signature,)).fetchone()
+        assert row is not None
+        function_oid = int(row[0])
+        target = sql.Identifier(schema, name)
+        old = _trigger(conn, oid, ROW_TRIGGER)
+        wanted = (function_oid, _ROW_TYPE, "O", lock_name.encode() + b"\0")
+        if old != wanted:
+            conn.execute(
+                sql.SQL(
+                    "CREATE OR REPLACE TRIGGER {} BEFORE INSERT OR UPDATE OR DELETE ON {}"
+                    " FOR EACH ROW EXECUTE FUNCTION {}({})"
+                ).format(sql.Identifier(ROW_TRIGGER), target, function, sql.Literal(lock_name))
+            )
+            if old is not None and old[2] != "O":
+                conn.execute(
+                    sql.SQL("ALTER TABLE {} ENABLE TRIGGER {}").format(
+                        target, sql.Identifier(ROW_TRIGGER)
+                    )
+                )
+            if old is not None and old[0] != function_oid:
+                _drop_if_ours(conn, old[0])
+        truncate = _trigger(conn, oid, TRUNCATE_TRIGGER)
+        if truncate is None or truncate[1:3] != (_TRUNCATE_TYPE, "O"):
+            conn.execute(
+                sql.SQL(
+                    "CREATE OR REPLACE TRIGGER {} BEFORE TRUNCATE ON {}"
+                    " FOR EACH STATEMENT EXECUTE FUNCTION public.pglock_guard_truncate()"
+                ).format(sql.Identifier(TRUNCATE_TRIGGER), target)
+            )
+            if truncate is not None and truncate[2] != "O":
+                conn.execute(
+                    sql.SQL("ALTER TABLE {} ENABLE TRIGGER {}").format(
+                        target, sql.Identifier(TRUNCATE_TRIGGER)
+                    )
+                )
+
+
+def _drop_if_ours(conn: psycopg.Connection, function_oid: int) -> None:
+    """Drop a trigger function install_guard generated (and nothing else)."""
+    row = conn.execute(
+        "SELECT oid::regprocedure::text FROM pg_catalog.pg_proc"
+        " WHERE oid = %s AND proname LIKE 'pglock\\_guard\\_%%'"
+        " AND proname <> 'pglock_guard_check' AND proname <> 'pglock_guard_truncate'",
+        (function_oid,),
+    ).fetchone()
+    if row is not None:
+        conn.execute(sql.SQL("DROP FUNCTION IF EXISTS {}").format(sql.SQL(row[0])))
+
+
+def remove_guard(conn_or_dsn: psycopg.Connection | str, table: str) -> None:
+    """Remove the guard of ``table``: writes need no lock again. A table without one is fine.
+
+    Leaves ``pglock_key()`` and the shared functions, which other tables may use. Raises
+    ConfigurationError for a missing table, and like :func:`install_guard` otherwise.
+    """
+    action = f"cannot remove the guard of {table!r}"
+    with _errors(action, conn_or_dsn), _connection(conn_or_dsn) as conn, _transaction(conn):
+        oid, schema, name = _resolve_table(conn, table)
+        target = sql.Identifier(schema, name)
+        row_trigger = _trigger(conn, oid, ROW_TRIGGER)
+        for trigger in (ROW_TRIGGER, TRUNCATE_TRIGGER):
+            if _trigger(conn, oid, trigger) is not None:
+                conn.execute(
+                    sql.SQL("DROP TRIGGER {} ON {}").format(sql.Identifier(trigger), target)
+                )
+        if row_trigger is not None:
+            _drop_if_ours(conn, row_trigger[0])
+
+
+def guarded_tables(conn: psycopg.Connection) -> list[GuardedTable]:
+    """Return every guarded table of the connection's database, by schema and name."""
+    rows = conn.execute(_GUARDED, {"row": ROW_TRIGGER, "truncate": TRUNCATE_TRIGGER}).fetchall()
+    tables = [
+        GuardedTable(
+            table=f"{schema}.{name}",
+            lock_name=bytes(args).split(b"\0")[0].decode(),
+            enabled=enabled in ("O", "A"),
+            truncate_guarded=bool(truncate),
+        )
+        for schema, name, args, enabled, truncate in rows
+    ]
+    return sorted(tables, key=lambda t: t.table)

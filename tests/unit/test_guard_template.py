@@ -1,0 +1,91 @@
+"""Guard templates: the task lock_name syntax, parsed in Python, turned into quoted SQL."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pglock_celery import ConfigurationError
+from pglock_celery.guard import (
+    name_expression,
+    parse_template,
+    template_columns,
+    trigger_function_body,
+    trigger_function_name,
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "parts"),
+    [
+        ("training:{tenant_id}", [("training:", "tenant_id")]),
+        ("{region}/{tenant_id}", [("", "region"), ("/", "tenant_id")]),
+        ("onboarding", [("onboarding", None)]),
+        ("{{literal}}:{x}", [("{", None), ("literal}", None), (":", "x")]),
+        ("{Tenant}", [("", "Tenant")]),
+    ],
+)
+def test_plain_field_names_parse_into_literals_and_columns(
+    template: str, parts: list[tuple[str, str | None]]
+) -> None:
+    assert parse_template(template) == parts
+
+
+@pytest.mark.parametrize(
+    ("template", "says"),
+    [
+        ("", "non-empty"),
+        ("t:{}", "plain column name"),
+        ("t:{0}", "plain column name"),
+        ("t:{a.b}", "plain column name"),
+        ("t:{a[0]}", "plain column name"),
+        ("t:{a!r}", "conversion or format spec"),
+        ("t:{a:>5}", "conversion or format spec"),
+        ("t:{a", "t:{a"),
+        ("t:}", "t:}"),
+    ],
+)
+def test_anything_but_plain_field_names_is_a_configuration_error(template: str, says: str) -> None:
+    with pytest.raises(ConfigurationError, match=says.replace("{", r"\{").replace("[", r"\[")):
+        parse_template(template)
+
+
+def test_a_template_that_is_not_a_str_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="non-empty str"):
+        parse_template(42)  # type: ignore[arg-type]
+
+
+def test_columns_are_listed_once_in_order() -> None:
+    assert template_columns("{b}:{a}:{b}") == ["b", "a"]
+
+
+def test_name_expression_quotes_identifiers_and_literals() -> None:
+    expression = name_expression(parse_template("it's:{Tenant}"), "NEW").as_string(None)
+    assert expression == """'it''s:' || coalesce(NEW."Tenant"::text, 'None')"""
+
+
+def test_the_trigger_checks_old_and_new_names_and_reads_no_pg_locks_itself() -> None:
+    body = trigger_function_body(parse_template("t:{tenant_id}")).as_string(None)
+    assert "old_name := 't:' || coalesce(OLD.\"tenant_id\"::text, 'None')" in body
+    assert "new_name := 't:' || coalesce(NEW.\"tenant_id\"::text, 'None')" in body
+    assert "pg_try_advisory_xact_lock_shared(key)" in body
+    assert "pg_locks" not in body  # only the slow path, pglock_guard_check, reads it
+
+
+@pytest.mark.parametrize("table", ["pipelines", "x" * 50, "é" * 40])
+def test_trigger_function_names_fit_63_bytes(table: str) -> None:
+    name = trigger_function_name(table)
+    assert name.startswith("pglock_guard_")
+    assert len(name.encode()) <= 63
+
+
+def test_short_names_are_readable_and_long_ones_stay_apart() -> None:
+    assert trigger_function_name("pipelines") == "pglock_guard_pipelines"
+    assert trigger_function_name("x" * 60 + "a") != trigger_function_name("x" * 60 + "b")
+
+
+@settings(database=None)
+@given(st.text(alphabet=st.characters(blacklist_characters="{}"), max_size=30))
+def test_a_template_without_fields_is_one_literal(text: str) -> None:
+    assert parse_template(text or "x") == [(text or "x", None)]
