@@ -42,7 +42,7 @@ from psycopg import errors as pg_errors
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from .connection import describe_target, redact
+from .dsn import describe_target, redact
 from .exceptions import ConfigurationError, LockTimeout, LockUnavailable
 from .keys import lock_key
 from .lock import HELD_SETTING
