@@ -1,34 +1,21 @@
-"""The advisory lock: try or wait, held(), ensure_held(), release, loss detection.
+"""The advisory lock: try or wait, held(), ensure_held(), release.
 
-Each granted acquire is a *hold*: the lock's session from grant to release,
-with its own loss state, so nothing of an earlier hold (a released one, one on
-a session that died while cached) can leave a later one unmonitored. A hold
-has its session to itself (strategy ``connect`` opens one, ``reuse`` checks
-one out of this process's idle sessions, see sessions.py): session-level
-advisory locks are re-entrant within a session, so two holders on one session
-would both get in.
-
-While a hold lasts past one check interval, a monitor thread checks its
-session whenever no statement is running on it, atomically with respect to
-the holder (both go through the session's guard). Between statements with no
-transaction open it asks the server (alive, still holding the lock, a
-primary); inside the body's transaction it reads the socket only, which tells
-when the server ended the session, without disturbing the transaction. A loss
-is logged, marks the hold lost (``ensure_held``, ``sleep`` and release raise
-LockLost) and is handed to the holder's loss handler.
+Each granted acquire is a *hold* (monitor.py), the lock's session from grant
+to release, watched for loss. A hold has its session to itself (strategy
+``connect`` opens one, ``reuse`` checks one out of this process's idle
+sessions, see sessions.py): session-level advisory locks are re-entrant within
+a session, so two holders on one session would both get in. Every lock
+statement proves that it ran on the session's own backend, so a session moved
+by a pooler fails closed instead of locking elsewhere.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
 import os
-import threading
-import time
 import weakref
-from collections.abc import Callable
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Any
@@ -44,7 +31,8 @@ from .config import PglockConfig, get_config
 from .connection import application_name, idle_name, open_session
 from .exceptions import LockLost, LockNameError, LockTimeout, LockUnavailable
 from .inspect import Holder, find_holder
-from .keys import check_key, key_to_lock_fields, lock_key
+from .keys import check_key, lock_key
+from .monitor import Hold, LossHandler, one_line, scheduler
 
 logger = logging.getLogger("pglock_celery.lock")
 
@@ -81,17 +69,6 @@ _UNLOCK_FOR_REUSE = (
     "SELECT pg_advisory_unlock(%s::int8), pg_advisory_unlock_all(),"
     " set_config('application_name', %s, false), set_config('pglock.held', '', false)"
 )
-# One round trip: is the server a primary, and does this session hold the key?
-_CHECK = """
-SELECT pg_is_in_recovery(), EXISTS (
-  SELECT FROM pg_locks
-  WHERE locktype = 'advisory' AND granted AND objsubid = 1
-    AND pid = pg_backend_pid()
-    AND classid = %s::int8::oid AND objid = %s::int8::oid
-    AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-)
-"""
-#: Postgres keeps lock_timeout in milliseconds in an int.
 MAX_TIMEOUT = (2**31 - 1) / 1000
 
 _current: ContextVar[AdvisoryLock | None] = ContextVar("pglock_current_lock", default=None)
@@ -136,131 +113,11 @@ def check_timeout(timeout: float | None) -> float | None:
     return float(timeout)
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
-
-
-class Hold:
-    """One holding of a lock, from its grant to its release: what the monitor watches.
-
-    It never refers back to its AdvisoryLock, so a lock dropped without
-    release can be collected, and its finalizer frees the session.
-    """
-
-    def __init__(
-        self,
-        lock: AdvisoryLock,
-        session: sessions.LockSession,
-        on_lost: LossHandler | None,
-    ) -> None:
-        self.session = session
-        self.key = lock.key
-        self.label = lock.label
-        self.application_name = lock.application_name
-        self.task_id = lock.task_id
-        self.config = lock.config
-        self.on_lost = on_lost
-        self.since = time.monotonic()
-        #: Why the lock was found lost, or None.
-        self.lost: str | None = None
-        #: Set at release, or when the lock is found lost.
-        self.changed = threading.Event()
-        self.ended = False
-        self.handle: psycopg.Connection[Any] | None = None
-
-    def end(self) -> None:
-        self.ended = True
-        self.changed.set()
-
-    def check(self, *, wait: bool) -> str | None:
-        """Return why the lock is lost, or None while it is held (or cannot be asked).
-
-        Runs under the session's guard, so no statement of the holder can start
-        in between; with ``wait`` False it gives up at once when one is running
-        (the holder will see any failure of the session itself).
-        """
-        session = self.session
-        if not session.guard.acquire(blocking=wait):
-            return None
-        try:
-            if self.ended or self.lost is not None:
-                return self.lost
-            if session.pgconn.pipeline_status:
-                return None  # results of the holder's pipeline are on their way
-            status = session.pgconn.transaction_status
-            if status == TransactionStatus.IDLE:
-                try:
-                    row = session.conn.execute(_CHECK, key_to_lock_fields(self.key)).fetchone()
-                except psycopg.Error as exc:
-                    return f"the lock session failed: {_one_line(exc)}"
-                assert row is not None
-                if row[0]:
-                    return "the server is in recovery (a failover?)"
-                if not row[1]:
-                    return "the session no longer holds the lock"
-                return None
-            if status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
-                if not session.alive():
-                    return "the lock session failed: the server closed it"
-                return None
-            if session.closed:
-                return "the lock session failed: it is closed"
-            return None  # a statement of the holder's is under way
-        finally:
-            session.guard.release()
-
-    def mark_lost(self, reason: str) -> None:
-        """Record a loss once: log it, end a session that lives on without the lock, tell."""
-        session = self.session
-        with session.guard:
-            if self.lost is not None or self.ended:
-                return
-            self.lost = reason
-            self.changed.set()
-            if not session.closed and "session failed" not in reason:
-                # Alive but without the lock (or on a standby): end the session,
-                # so that no further write of this holder can commit.
-                with contextlib.suppress(psycopg.Error):
-                    session.conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
-        logger.error(
-            "lock %s lost by %s: %s",
-            self.label,
-            self.application_name,
-            reason,
-            extra={
-                "lock": self.label,
-                "key": self.key,
-                "task_id": self.task_id,
-                "holder": self.application_name,
-                "reason": reason,
-            },
-        )
-        if self.on_lost is not None:
-            self.on_lost(self, reason)
-
-    def monitor(self) -> None:
-        """Check the session every check interval until release or loss."""
-        while not self.ended and self.lost is None:
-            try:
-                reason = self.check(wait=False)
-                if reason is not None:
-                    self.mark_lost(reason)
-                    return
-            except Exception:
-                logger.exception("lock %s: the loss check failed", self.label)
-            if self.changed.wait(self.config.check_interval):
-                return
-
-
-#: Called from the monitor thread when a held lock is found lost.
-LossHandler = Callable[[Hold, str], None]
-
-
 def _abandon(session: sessions.LockSession, hold: Hold | None) -> None:
     """Free what a lock object dropped without release still had: close its session."""
     if hold is not None:
         hold.end()
-        _scheduler.unwatch(hold)
+        scheduler.unwatch(hold)
     if session.pid == os.getpid():
         session.revoke("the lock was dropped without release")
         sessions.discard(session)
@@ -375,15 +232,23 @@ class AdvisoryLock:
             except psycopg.Error as exc:
                 sessions.discard(session)
                 raise LockUnavailable(
-                    f"lock {self.label}: the lock session failed while locking: {_one_line(exc)}"
+                    f"lock {self.label}: the lock session failed while locking: {one_line(exc)}"
                 ) from exc
             except BaseException:
                 sessions.discard(session)
                 raise
         self._session = session
         if got:
-            self._hold = Hold(self, session, self._on_lost)
-            _scheduler.watch(self._hold)
+            self._hold = Hold(
+                session,
+                key=self.key,
+                label=self.label,
+                application_name=self.application_name,
+                task_id=self.task_id,
+                config=self.config,
+                on_lost=self._on_lost,
+            )
+            scheduler.watch(self._hold)
         if self._finalizer is not None:
             self._finalizer.detach()  # an earlier failed try's, for this same session
         self._finalizer = weakref.finalize(self, _abandon, session, self._hold)
@@ -443,7 +308,7 @@ class AdvisoryLock:
             logger.warning(
                 "lock %s: could not look up its holder: %s",
                 self.label,
-                _one_line(exc),
+                one_line(exc),
                 extra={"lock": self.label, "key": self.key},
             )
             return None
@@ -509,7 +374,7 @@ class AdvisoryLock:
         if hold is not None:
             with session.guard:  # no handle is given out after this
                 hold.end()
-            _scheduler.unwatch(hold)
+            scheduler.unwatch(hold)
         if session.pid != os.getpid():
             return
         keep = False
@@ -549,7 +414,7 @@ class AdvisoryLock:
         except psycopg.Error as exc:
             raise LockLost(
                 f"lock {self.label}: the session failed at release, so the lock "
-                f"was lost before it: {_one_line(exc)}"
+                f"was lost before it: {one_line(exc)}"
             ) from exc
         if not (row and row[0]):
             raise LockLost(f"lock {self.label} was no longer held at release")
@@ -587,77 +452,6 @@ class AdvisoryLock:
                 type(error).__name__,
                 extra={"lock": self.label, "key": self.key},
             )
-
-
-class _MonitorScheduler:
-    """Starts a hold's monitor thread once it has lasted one check interval.
-
-    Most steps end sooner and never pay for a thread. One scheduler thread per
-    process (started on first use, and anew in a forked child) ticks every
-    quarter interval while locks are held, so no thread switch is paid per lock;
-    a hold's first check comes at most 1.25 intervals after its grant.
-    """
-
-    #: Idle ticks before the thread sleeps until the next lock.
-    IDLE_TICKS = 20
-
-    def __init__(self) -> None:
-        self._reset()
-        os.register_at_fork(after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        # In a forked child the parent's thread is gone, and so is whoever held the
-        # condition's lock at the fork: start from nothing.
-        self._cond = threading.Condition()
-        self._held: dict[int, Hold] = {}
-        self._running = False
-        self._asleep = False
-        self._tick = 0.5
-
-    def watch(self, hold: Hold) -> None:
-        with self._cond:
-            if not self._running:
-                self._running, self._asleep = True, False
-                threading.Thread(target=self._run, name="pglock-monitors", daemon=True).start()
-            self._held[id(hold)] = hold
-            self._tick = hold.config.check_interval / 4
-            if self._asleep:
-                self._cond.notify()
-
-    def unwatch(self, hold: Hold) -> None:
-        with self._cond:
-            self._held.pop(id(hold), None)
-
-    def _run(self) -> None:
-        cond = self._cond
-        idle = 0
-        while True:
-            with cond:
-                if cond is not self._cond:
-                    return  # a forked child's copy of a thread that is not there
-                idle = 0 if self._held else idle + 1
-                if idle > self.IDLE_TICKS:
-                    self._asleep = True
-                    cond.wait_for(lambda: bool(self._held))
-                    self._asleep, idle = False, 0
-                now = time.monotonic()
-                due = [
-                    hold
-                    for hold in self._held.values()
-                    if now - hold.since >= hold.config.check_interval
-                ]
-                for hold in due:
-                    del self._held[id(hold)]
-                tick = self._tick
-            for hold in due:
-                if not hold.ended:
-                    threading.Thread(
-                        target=hold.monitor, name=f"pglock-monitor {hold.label}", daemon=True
-                    ).start()
-            time.sleep(tick)
-
-
-_scheduler = _MonitorScheduler()
 
 
 def _config_for(dsn: str | None) -> PglockConfig:

@@ -28,7 +28,8 @@ from .exceptions import (
     LockTimeout,
     PglockError,
 )
-from .lock import AdvisoryLock, Hold, _current, check_lock_name, check_timeout, current_lock
+from .lock import AdvisoryLock, _current, check_lock_name, check_timeout, current_lock
+from .monitor import Hold
 
 logger = logging.getLogger("pglock_celery.task")
 

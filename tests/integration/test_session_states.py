@@ -31,7 +31,8 @@ from psycopg.rows import dict_row, tuple_row
 
 from pglock_celery import LockLost, lock_key, sessions
 from pglock_celery.config import PglockConfig
-from pglock_celery.lock import AdvisoryLock, _scheduler
+from pglock_celery.lock import AdvisoryLock
+from pglock_celery.monitor import scheduler
 
 NAMES = ("a", "b", "c")
 CHECK_INTERVAL = 0.05
@@ -208,7 +209,7 @@ class LockSessionLives(RuleBasedStateMachine):
 
             def watched(hold: Any = hold) -> bool:
                 names = {t.name for t in threading.enumerate()}
-                scheduled = id(hold) in _scheduler._held
+                scheduled = id(hold) in scheduler._held
                 return scheduled or f"pglock-monitor {hold.label}" in names
 
             deadline = time.monotonic() + 1

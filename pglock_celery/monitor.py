@@ -1,0 +1,242 @@
+"""Loss detection: each hold of a lock, and the threads that watch it.
+
+A hold is a lock's session from grant to release, with its own loss state, so
+nothing of an earlier hold (a released one, one on a session that died while
+cached) can leave a later one unwatched. While a hold lasts past one check
+interval, a monitor thread checks its session whenever no statement runs on it,
+atomically with respect to the holder (both go through the session's guard).
+Between transactions it asks the server (alive, still holding the lock, a
+primary); inside the body's transaction it peeks at the socket only, which
+tells when the server ended the session, without disturbing the transaction.
+A loss is logged, marks the hold lost and is handed to the holder's loss handler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from .config import PglockConfig
+from .keys import key_to_lock_fields
+from .sessions import LockSession
+
+logger = logging.getLogger("pglock_celery.lock")
+
+# One round trip: is the server a primary, and does this session hold the key?
+_CHECK = """
+SELECT pg_is_in_recovery(), EXISTS (
+  SELECT FROM pg_locks
+  WHERE locktype = 'advisory' AND granted AND objsubid = 1
+    AND pid = pg_backend_pid()
+    AND classid = %s::int8::oid AND objid = %s::int8::oid
+    AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+)
+"""
+#: Postgres keeps lock_timeout in milliseconds in an int.
+
+
+def one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+class Hold:
+    """One holding of a lock, from its grant to its release: what the monitor watches.
+
+    It never refers to its AdvisoryLock, so a lock dropped without release
+    can be collected, and its finalizer frees the session.
+    """
+
+    def __init__(
+        self,
+        session: LockSession,
+        *,
+        key: int,
+        label: str,
+        application_name: str,
+        task_id: str | None,
+        config: PglockConfig,
+        on_lost: LossHandler | None,
+    ) -> None:
+        self.session = session
+        self.key = key
+        self.label = label
+        self.application_name = application_name
+        self.task_id = task_id
+        self.config = config
+        self.on_lost = on_lost
+        self.since = time.monotonic()
+        #: Why the lock was found lost, or None.
+        self.lost: str | None = None
+        #: Set at release, or when the lock is found lost.
+        self.changed = threading.Event()
+        self.ended = False
+        self.handle: psycopg.Connection[Any] | None = None
+
+    def end(self) -> None:
+        self.ended = True
+        self.changed.set()
+
+    def check(self, *, wait: bool) -> str | None:
+        """Return why the lock is lost, or None while it is held (or cannot be asked).
+
+        Runs under the session's guard, so no statement of the holder can start
+        in between; with ``wait`` False it gives up at once when one is running
+        (the holder will see any failure of the session itself).
+        """
+        session = self.session
+        if not session.guard.acquire(blocking=wait):
+            return None
+        try:
+            if self.ended or self.lost is not None:
+                return self.lost
+            if session.pgconn.pipeline_status:
+                return None  # results of the holder's pipeline are on their way
+            status = session.pgconn.transaction_status
+            if status == TransactionStatus.IDLE:
+                try:
+                    row = session.conn.execute(_CHECK, key_to_lock_fields(self.key)).fetchone()
+                except psycopg.Error as exc:
+                    return f"the lock session failed: {one_line(exc)}"
+                assert row is not None
+                if row[0]:
+                    return "the server is in recovery (a failover?)"
+                if not row[1]:
+                    return "the session no longer holds the lock"
+                return None
+            if status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
+                if not session.alive():
+                    return "the lock session failed: the server closed it"
+                return None
+            if session.closed:
+                return "the lock session failed: it is closed"
+            return None  # a statement of the holder's is under way
+        finally:
+            session.guard.release()
+
+    def mark_lost(self, reason: str) -> None:
+        """Record a loss once: log it, end a session that lives on without the lock, tell."""
+        session = self.session
+        with session.guard:
+            if self.lost is not None or self.ended:
+                return
+            self.lost = reason
+            self.changed.set()
+            if not session.closed and "session failed" not in reason:
+                # Alive but without the lock (or on a standby): end the session,
+                # so that no further write of this holder can commit.
+                with contextlib.suppress(psycopg.Error):
+                    session.conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        logger.error(
+            "lock %s lost by %s: %s",
+            self.label,
+            self.application_name,
+            reason,
+            extra={
+                "lock": self.label,
+                "key": self.key,
+                "task_id": self.task_id,
+                "holder": self.application_name,
+                "reason": reason,
+            },
+        )
+        if self.on_lost is not None:
+            self.on_lost(self, reason)
+
+    def monitor(self) -> None:
+        """Check the session every check interval until release or loss."""
+        while not self.ended and self.lost is None:
+            try:
+                reason = self.check(wait=False)
+                if reason is not None:
+                    self.mark_lost(reason)
+                    return
+            except Exception:
+                logger.exception("lock %s: the loss check failed", self.label)
+            if self.changed.wait(self.config.check_interval):
+                return
+
+
+#: Called from the monitor thread when a held lock is found lost.
+LossHandler = Callable[[Hold, str], None]
+
+
+class _MonitorScheduler:
+    """Starts a hold's monitor thread once it has lasted one check interval.
+
+    Most steps end sooner and never pay for a thread. One scheduler thread per
+    process (started on first use, and anew in a forked child) ticks every
+    quarter interval while locks are held, so no thread switch is paid per lock;
+    a hold's first check comes at most 1.25 intervals after its grant.
+    """
+
+    #: Idle ticks before the thread sleeps until the next lock.
+    IDLE_TICKS = 20
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        # In a forked child the parent's thread is gone, and so is whoever held the
+        # condition's lock at the fork: start from nothing.
+        self._cond = threading.Condition()
+        self._held: dict[int, Hold] = {}
+        self._running = False
+        self._asleep = False
+        self._tick = 0.5
+
+    def watch(self, hold: Hold) -> None:
+        with self._cond:
+            if not self._running:
+                self._running, self._asleep = True, False
+                threading.Thread(target=self._run, name="pglock-monitors", daemon=True).start()
+            self._held[id(hold)] = hold
+            self._tick = hold.config.check_interval / 4
+            if self._asleep:
+                self._cond.notify()
+
+    def unwatch(self, hold: Hold) -> None:
+        with self._cond:
+            self._held.pop(id(hold), None)
+
+    def _run(self) -> None:
+        cond = self._cond
+        idle = 0
+        while True:
+            with cond:
+                if cond is not self._cond:
+                    return  # a forked child's copy of a thread that is not there
+                idle = 0 if self._held else idle + 1
+                if idle > self.IDLE_TICKS:
+                    self._asleep = True
+                    cond.wait_for(lambda: bool(self._held))
+                    self._asleep, idle = False, 0
+                now = time.monotonic()
+                due = [
+                    hold
+                    for hold in self._held.values()
+                    if now - hold.since >= hold.config.check_interval
+                ]
+                for hold in due:
+                    del self._held[id(hold)]
+                tick = self._tick
+            for hold in due:
+                if not hold.ended:
+                    threading.Thread(
+                        target=hold.monitor, name=f"pglock-monitor {hold.label}", daemon=True
+                    ).start()
+            time.sleep(tick)
+
+
+_scheduler = _MonitorScheduler()
+
+
+scheduler = _MonitorScheduler()
