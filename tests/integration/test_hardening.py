@@ -385,18 +385,23 @@ def test_a_loss_inside_the_bodys_transaction_is_seen(pg_dsn: str, run_id: str) -
 
 def test_the_loss_check_never_runs_inside_the_bodys_transaction(pg_dsn: str, run_id: str) -> None:
     held = lock(pg_dsn, f"a:{run_id}", check_interval=0.001)
-    with held:
-        conn = held.connection
-        deadline = time.monotonic() + 1.5
-        rounds = 0
-        while time.monotonic() < deadline:
-            conn.execute("BEGIN")
-            with pytest.raises(psycopg.errors.DivisionByZero):
-                conn.execute("SELECT 1/0")
-            time.sleep(0.001)  # the monitor's moment, if it could slip in
-            conn.execute("ROLLBACK")
-            rounds += 1
-        assert held.lost_reason is None and held.held(), f"after {rounds} aborted transactions"
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # thread switches anywhere: the monitor may come in between
+    try:
+        with held:
+            conn = held.connection
+            deadline = time.monotonic() + 2
+            rounds = 0
+            while time.monotonic() < deadline and held.lost_reason is None:
+                with pytest.raises(psycopg.errors.DivisionByZero):
+                    conn.execute("BEGIN; SELECT 1/0")  # one statement call: idle to aborted
+                conn.execute("ROLLBACK")
+                time.sleep(0)  # the monitor may look at the idle session now
+                rounds += 1
+            assert held.lost_reason is None, f"after {rounds} rounds: {held.lost_reason}"
+            assert held.held()
+    finally:
+        sys.setswitchinterval(switch)
 
 
 # Finding 11 and bad input: clear errors before any connection -----------------------------
