@@ -27,7 +27,7 @@ from . import sessions
 from .config import PglockConfig
 from .dsn import describe_target, redact
 from .exceptions import ConfigurationError, LockUnavailable
-from .sessions import LockSession, SessionConnection
+from .lock_session import LockSession, SessionConnection
 
 #: Postgres truncates application_name to NAMEDATALEN - 1 bytes.
 APPLICATION_NAME_MAX_BYTES = 63

@@ -32,6 +32,7 @@ from .connection import application_name, idle_name, open_session
 from .exceptions import LockLost, LockNameError, LockTimeout, LockUnavailable
 from .inspect import Holder, find_holder
 from .keys import check_key, lock_key
+from .lock_session import LockSession
 from .monitor import Hold, LossHandler, one_line, scheduler
 
 logger = logging.getLogger("pglock_celery.lock")
@@ -40,34 +41,47 @@ logger = logging.getLogger("pglock_celery.lock")
 #: ``,key,``; guarded tables read it instead of pg_locks (see guard.py).
 HELD_SETTING = "pglock.held"
 
+# A held lock is taken twice (its count is 2), so that a check can unlock it once
+# and take it again without letting it go: "still held" in O(1), never from pg_locks.
+# Statements are bytes for libpq, prepared per session under these names.
+
 # Tries the lock only on the session's own backend (its token in force) holding
-# nothing of an earlier holder's (NULL otherwise: behind a pooler that moved it); if
-# it got it, names the session after its holder and records the key.
+# nothing of an earlier holder's (NULL otherwise: a pooler moved it); if it got it,
+# takes it a second time, names the session after its holder and records the key.
 _TRY = (
-    "SELECT got, pg_backend_pid(), CASE WHEN got THEN"
-    " set_config('application_name', %s, false) || set_config('pglock.held', %s, false) END"
-    " FROM (SELECT CASE WHEN current_setting('pglock.session', true) = %s"
-    " AND coalesce(current_setting('pglock.held', true), '') = ''"
-    " THEN pg_try_advisory_lock(%s::int8) END AS got) AS attempt"
+    b"pglock_try",
+    b"SELECT got, pg_backend_pid(), CASE WHEN got THEN"
+    b" set_config('application_name', $1, false) || set_config('pglock.held', $2, false)"
+    b" || pg_try_advisory_lock($4::int8)::text END"
+    b" FROM (SELECT CASE WHEN current_setting('pglock.session', true) = $3"
+    b" AND coalesce(current_setting('pglock.held', true), '') = ''"
+    b" THEN pg_try_advisory_lock($4::int8) END AS got) AS attempt",
 )
 # The same proof before waiting: '' once granted, NULL when not on its own backend.
 _WAIT = (
-    "SELECT CASE WHEN current_setting('pglock.session', true) = %s"
-    " AND coalesce(current_setting('pglock.held', true), '') = ''"
-    " THEN pg_advisory_lock(%s::int8)::text END"
+    b"pglock_wait",
+    b"SELECT CASE WHEN current_setting('pglock.session', true) = $1"
+    b" AND coalesce(current_setting('pglock.held', true), '') = ''"
+    b" THEN pg_advisory_lock($2::int8)::text END",
 )
-_SET_TIMEOUT = "SELECT current_setting('lock_timeout'), set_config('lock_timeout', %s, false)"
+_SET_TIMEOUT = (
+    b"pglock_set_timeout",
+    b"SELECT current_setting('lock_timeout'), set_config('lock_timeout', $1, false)",
+)
 # NULL leaves lock_timeout as it is; else the value it had before the wait.
 _AFTER_WAIT = (
-    "SELECT pg_backend_pid(), set_config('application_name', %s, false),"
-    " set_config('pglock.held', %s, false),"
-    " set_config('lock_timeout', coalesce(%s::text, current_setting('lock_timeout')), false)"
+    b"pglock_after_wait",
+    b"SELECT pg_backend_pid(), set_config('application_name', $1, false),"
+    b" set_config('pglock.held', $2, false), pg_try_advisory_lock($4::int8),"
+    b" set_config('lock_timeout', coalesce($3::text, current_setting('lock_timeout')), false)",
 )
-_UNLOCK = "SELECT pg_advisory_unlock(%s::int8)"
+# Free at once (the session closes right after, but its end is not waited for).
+_UNLOCK = (b"pglock_unlock", b"SELECT pg_advisory_unlock($1::int8), pg_advisory_unlock_all()")
 # Back to the cache: no advisory lock of the holder's may stay, nor its name.
 _UNLOCK_FOR_REUSE = (
-    "SELECT pg_advisory_unlock(%s::int8), pg_advisory_unlock_all(),"
-    " set_config('application_name', %s, false), set_config('pglock.held', '', false)"
+    b"pglock_unlock_reuse",
+    b"SELECT pg_advisory_unlock($1::int8), pg_advisory_unlock_all(),"
+    b" set_config('application_name', $2, false), set_config('pglock.held', '', false)",
 )
 MAX_TIMEOUT = (2**31 - 1) / 1000
 
@@ -84,6 +98,10 @@ def current_lock() -> AdvisoryLock | None:
     if lock is None or not lock.acquired:
         return None
     return lock
+
+
+def _int(value: bytes | None) -> int | None:
+    return int(value) if value is not None else None
 
 
 def check_lock_name(name: str) -> str:
@@ -113,7 +131,7 @@ def check_timeout(timeout: float | None) -> float | None:
     return float(timeout)
 
 
-def _abandon(session: sessions.LockSession, hold: Hold | None) -> None:
+def _abandon(session: LockSession, hold: Hold | None) -> None:
     """Free what a lock object dropped without release still had: close its session."""
     if hold is not None:
         hold.end()
@@ -153,7 +171,7 @@ class AdvisoryLock:
         self._timeout = check_timeout(timeout)
         self._on_lost = on_lost
         self._reuse = config.strategy == sessions.REUSE
-        self._session: sessions.LockSession | None = None
+        self._session: LockSession | None = None
         self._hold: Hold | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
@@ -254,40 +272,41 @@ class AdvisoryLock:
         self._finalizer = weakref.finalize(self, _abandon, session, self._hold)
         return got
 
-    def _lock_on(self, session: sessions.LockSession) -> bool:
+    def _lock_on(self, session: LockSession) -> bool:
         """Take the lock on ``session`` (a fresh or a cached one); return whether granted."""
-        held = f",{self.key},"
+        key = str(self.key).encode()
+        name = self.application_name.encode()
+        held = b"," + key + b","
+        if not self._wait:
+            result = session.query(*_TRY, (name, held, session.token.encode(), key))
+            got = result.get_value(0, 0)
+            if got is None:
+                raise self._moved(session, _int(result.get_value(0, 1)))
+            self._check_backend(session, _int(result.get_value(0, 1)))
+            return got == b"t"
         with session.guard:
-            conn = session.conn
-            if self._wait:
-                restore = None
-                if self._timeout is not None:
-                    # lock_timeout = 0 means "forever" to Postgres: wait at least 1 ms.
-                    millis = max(1, round(self._timeout * 1000))
-                    row = conn.execute(_SET_TIMEOUT, (f"{millis}ms",)).fetchone()
-                    restore = row[0] if row else None
-                try:
-                    waited = conn.execute(_WAIT, (session.token, self.key)).fetchone()
-                except pg_errors.LockNotAvailable:
-                    raise LockTimeout(
-                        f"lock {self.label} not obtained within {self._timeout:g} s"
-                    ) from None
-                if waited is None or waited[0] is None:
-                    raise self._moved(session, None)
-                row = conn.execute(_AFTER_WAIT, (self.application_name, held, restore)).fetchone()
-                backend_pid, got = (row[0] if row else None), True
-            else:
-                row = conn.execute(
-                    _TRY, (self.application_name, held, session.token, self.key)
-                ).fetchone()
-                if row is None or row[0] is None:
-                    raise self._moved(session, row[1] if row else None)
-                got, backend_pid = bool(row[0]), row[1]
+            restore = None
+            if self._timeout is not None:
+                # lock_timeout = 0 means "forever" to Postgres: wait at least 1 ms.
+                millis = max(1, round(self._timeout * 1000))
+                restore = session.query(*_SET_TIMEOUT, (b"%dms" % millis,)).get_value(0, 0)
+            try:
+                waited = session.query(*_WAIT, (session.token.encode(), key))
+            except pg_errors.LockNotAvailable:
+                raise LockTimeout(
+                    f"lock {self.label} not obtained within {self._timeout:g} s"
+                ) from None
+            if waited.get_value(0, 0) is None:
+                raise self._moved(session, None)
+            result = session.query(*_AFTER_WAIT, (name, held, restore, key))
+        self._check_backend(session, _int(result.get_value(0, 0)))
+        return True
+
+    def _check_backend(self, session: LockSession, backend_pid: int | None) -> None:
         if backend_pid != session.backend_pid:
             raise self._moved(session, backend_pid)
-        return got
 
-    def _moved(self, session: sessions.LockSession, backend_pid: int | None) -> LockUnavailable:
+    def _moved(self, session: LockSession, backend_pid: int | None) -> LockUnavailable:
         """The error for a lock statement that did not run on the session's own backend."""
         return LockUnavailable(
             f"lock {self.label}: the lock statement did not run on the session's own "
@@ -386,13 +405,14 @@ class AdvisoryLock:
             if keep and session.handed_out:
                 try:
                     session.conn.execute("DISCARD ALL")  # the holder's server state goes
+                    session.forget_prepared()
                 except psycopg.Error:
                     keep = False
         finally:
             if not (keep and sessions.give_back(self.config, session)):
                 sessions.discard(session)
 
-    def _unlock(self, session: sessions.LockSession, hold: Hold) -> bool:
+    def _unlock(self, session: LockSession, hold: Hold) -> bool:
         """Unlock; return whether the session may be used again, or raise LockLost."""
         session.revoke(f"lock {self.label} was released: this connection is closed")
         clean = True
@@ -406,17 +426,18 @@ class AdvisoryLock:
                         return False
                     session.conn.rollback()
                     clean = False
+                key = str(self.key).encode()
                 if self._reuse:
-                    idle = idle_name(self.config.application_name)
-                    row = session.conn.execute(_UNLOCK_FOR_REUSE, (self.key, idle)).fetchone()
+                    idle = idle_name(self.config.application_name).encode()
+                    unlocked = session.query(*_UNLOCK_FOR_REUSE, (key, idle)).get_value(0, 0)
                 else:
-                    row = session.conn.execute(_UNLOCK, (self.key,)).fetchone()
+                    unlocked = session.query(*_UNLOCK, (key,)).get_value(0, 0)
         except psycopg.Error as exc:
             raise LockLost(
                 f"lock {self.label}: the session failed at release, so the lock "
                 f"was lost before it: {one_line(exc)}"
             ) from exc
-        if not (row and row[0]):
+        if unlocked != b"t":
             raise LockLost(f"lock {self.label} was no longer held at release")
         if hold.lost is not None:
             raise LockLost(f"lock {self.label} was lost while held: {hold.lost}")

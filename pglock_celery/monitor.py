@@ -25,22 +25,19 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from .config import PglockConfig
-from .keys import key_to_lock_fields
-from .sessions import LockSession
+from .lock_session import LockSession
 
 logger = logging.getLogger("pglock_celery.lock")
 
-# One round trip: is the server a primary, and does this session hold the key?
-_CHECK = """
-SELECT pg_is_in_recovery(), EXISTS (
-  SELECT FROM pg_locks
-  WHERE locktype = 'advisory' AND granted AND objsubid = 1
-    AND pid = pg_backend_pid()
-    AND classid = %s::int8::oid AND objid = %s::int8::oid
-    AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+# One round trip, O(1) whatever the number of locks on the server: is the server a
+# primary, and does this session still hold the key? A held lock's count is 2 (see
+# lock.py): unlocking it once and taking it again never lets it go; a lock the
+# session no longer holds is not unlocked (false, with a warning) and not taken.
+_CHECK = (
+    b"pglock_check",
+    b"SELECT pg_is_in_recovery(),"
+    b" CASE WHEN pg_advisory_unlock($1::int8) THEN pg_try_advisory_lock($1::int8) END",
 )
-"""
-#: Postgres keeps lock_timeout in milliseconds in an int.
 
 
 def one_line(exc: BaseException) -> str:
@@ -102,13 +99,12 @@ class Hold:
             status = session.pgconn.transaction_status
             if status == TransactionStatus.IDLE:
                 try:
-                    row = session.conn.execute(_CHECK, key_to_lock_fields(self.key)).fetchone()
+                    result = session.query(*_CHECK, (str(self.key).encode(),))
                 except psycopg.Error as exc:
                     return f"the lock session failed: {one_line(exc)}"
-                assert row is not None
-                if row[0]:
+                if result.get_value(0, 0) == b"t":
                     return "the server is in recovery (a failover?)"
-                if not row[1]:
+                if result.get_value(0, 1) != b"t":
                     return "the session no longer holds the lock"
                 return None
             if status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
