@@ -12,6 +12,7 @@ from .connection import (
     APPLICATION_NAME_MAX_BYTES,
     FIELD_SEPARATOR,
     decode_name,
+    encode_name,
     expand_task_id,
 )
 from .keys import key_to_lock_fields, lock_fields_to_key, lock_key
@@ -28,6 +29,24 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
 """
 
 HOLDER_OF_KEY = _HELD_LOCKS + " AND l.classid = %s::int8::oid AND l.objid = %s::int8::oid"
+
+# A lock session carries its lock's name last in its application_name (see
+# connection.application_name): the holder of a name is found in pg_stat_activity,
+# whose size is the number of sessions, never in pg_locks, whose size is the number
+# of locks. A name cut at 63 bytes matches by the prefix that survived.
+_NAMED = """
+SELECT pid, application_name, host(client_addr), backend_start, state_change, state
+FROM (
+  SELECT *, substring(application_name from '^(?:[^|]*[|]){4}(.*)$') AS tail
+  FROM pg_stat_activity
+  WHERE datname = current_database() AND pid <> pg_backend_pid()
+) AS a
+WHERE tail = %(name)s
+   OR (octet_length(application_name) >= %(cut)s AND tail <> ''
+       AND starts_with(%(name)s, tail))
+ORDER BY tail = %(name)s DESC
+LIMIT 1
+"""
 ALL_HELD = _HELD_LOCKS + " ORDER BY a.backend_start, a.pid"
 
 
@@ -117,6 +136,34 @@ def find_holder(conn: psycopg.Connection, key: int) -> Holder | None:
     """Return who holds the advisory lock ``key`` in this database, or None."""
     row = conn.execute(HOLDER_OF_KEY, key_to_lock_fields(key)).fetchone()
     return holder_from_row(row) if row is not None else None
+
+
+def find_named_holder(conn: psycopg.Connection, key: int, name: str) -> Holder | None:
+    """Return the pglock session that holds the lock called ``name``, or None.
+
+    Cheap whatever the number of locks on the server (no pg_locks); a holder
+    that did not name its session (hand-rolled code, a shared session) is not found.
+    """
+    params = {"name": encode_name(name), "cut": APPLICATION_NAME_MAX_BYTES - 4}
+    row = conn.execute(_NAMED, params).fetchone()
+    if row is None:
+        return None
+    pid, app_name, addr, started, changed, state = row
+    _, _, task_id, worker_pid, worker_host = parse_application_name(app_name or "", key)
+    return Holder(
+        key=key,
+        name=None if name == f"#{key}" else name,
+        name_truncated=False,
+        task_id=task_id,
+        worker_pid=worker_pid,
+        worker_host=worker_host,
+        backend_pid=pid,
+        application_name=app_name or "",
+        client_addr=addr,
+        backend_start=_iso(started),
+        state_change=_iso(changed),
+        state=state,
+    )
 
 
 def list_holders(conn: psycopg.Connection) -> list[Holder]:

@@ -11,7 +11,6 @@ by a pooler fails closed instead of locking elsewhere.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -30,7 +29,7 @@ from . import sessions
 from .config import PglockConfig, get_config
 from .connection import application_name, idle_name, open_session
 from .exceptions import LockLost, LockNameError, LockTimeout, LockUnavailable
-from .inspect import Holder, find_holder
+from .inspect import Holder, find_named_holder
 from .keys import check_key, lock_key
 from .lock_session import LockSession
 from .monitor import Hold, LossHandler, one_line, scheduler
@@ -316,13 +315,18 @@ class AdvisoryLock:
         )
 
     def holder(self) -> Holder | None:
-        """Return who holds the lock now, asked on this lock's session."""
+        """Return who holds the lock now, asked on this lock's session.
+
+        Found by the name in the holders' application_name (pg_stat_activity,
+        never pg_locks: a skip costs the same with 10,000 locks on the server);
+        None for a holder that does not name its session.
+        """
         session = self._session
         if session is None or session.pid != os.getpid():
             return None
         try:
             with session.guard:
-                holder = find_holder(session.conn, self.key)
+                return find_named_holder(session.conn, self.key, self.label)
         except psycopg.Error as exc:
             logger.warning(
                 "lock %s: could not look up its holder: %s",
@@ -331,10 +335,6 @@ class AdvisoryLock:
                 extra={"lock": self.label, "key": self.key},
             )
             return None
-        if holder is not None and self.name is not None and holder.name != self.name:
-            # Same key, so the same name: whatever did not fit its application_name.
-            holder = dataclasses.replace(holder, name=self.name, name_truncated=False)
-        return holder
 
     def held(self) -> bool:
         """Ask Postgres whether this session still holds the lock.
