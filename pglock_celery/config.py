@@ -82,8 +82,8 @@ def _reaction(raw: Any) -> str:
 
 def _strategy(raw: Any) -> str:
     text = str(raw).strip().lower()
-    if text not in ("connect", "reuse"):
-        raise ValueError("must be 'connect' or 'reuse'")
+    if text not in ("connect", "reuse", "shared"):
+        raise ValueError("must be 'connect', 'reuse' or 'shared'")
     return text
 
 
@@ -148,6 +148,9 @@ class PglockConfig:
     strategy: str = "reuse"
     #: Idle lock sessions a process keeps per DSN with the "reuse" strategy.
     idle_sessions: int = 2
+    #: Lock sessions a process shares among its locks per DSN with the "shared"
+    #: strategy, however many calls run at once.
+    shared_sessions: int = 4
     #: Countdown in seconds before a lock_mode="retry" call tries again.
     retry_countdown: float = 5.0
     #: Whether a skip looks up and reports who holds the lock (one query).
@@ -224,6 +227,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "on_lost": _reaction,
     "strategy": _strategy,
     "idle_sessions": _whole,
+    "shared_sessions": _positive_int,
     "retry_countdown": _positive_float,
     "report_holder": _boolean,
     "pooler": _pooler,

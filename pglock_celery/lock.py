@@ -11,10 +11,13 @@ by a pooler fails closed instead of locking elsewhere.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import os
 import weakref
+from collections.abc import Iterator
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Any
@@ -25,14 +28,14 @@ from celery._state import get_current_task
 from psycopg import errors as pg_errors
 from psycopg.pq import TransactionStatus
 
-from . import sessions
+from . import sessions, shared
 from .config import PglockConfig, get_config
 from .connection import application_name, idle_name, open_session
-from .exceptions import LockLost, LockNameError, LockTimeout, LockUnavailable
+from .exceptions import LockLost, LockNameError, LockTimeout, LockUnavailable, PglockError
 from .inspect import Holder, find_named_holder
 from .keys import check_key, lock_key
 from .lock_session import LockSession
-from .monitor import Hold, LossHandler, one_line, scheduler
+from .monitor import Hold, LossHandler, abandoned, free_abandoned, one_line, scheduler
 
 logger = logging.getLogger("pglock_celery.lock")
 
@@ -130,14 +133,25 @@ def check_timeout(timeout: float | None) -> float | None:
     return float(timeout)
 
 
-def _abandon(session: LockSession, hold: Hold | None) -> None:
-    """Free what a lock object dropped without release still had: close its session."""
+def _abandon(session: LockSession, hold: Hold | None, label: str) -> None:
+    """A lock object dropped without release: have its session and lock freed."""
+    abandoned.append(functools.partial(_free, session, hold, label))
+    scheduler.wake()
+
+
+def _free(session: LockSession, hold: Hold | None, label: str) -> None:
+    if session.pid != os.getpid():
+        return
     if hold is not None:
         hold.end()
         scheduler.unwatch(hold)
-    if session.pid == os.getpid():
-        session.revoke("the lock was dropped without release")
-        sessions.discard(session)
+    if session.shared:
+        if hold is not None:
+            with contextlib.suppress(LockLost):
+                shared.release(session, hold, label)
+        return
+    session.revoke("the lock was dropped without release")
+    sessions.discard(session)
 
 
 class AdvisoryLock:
@@ -170,6 +184,7 @@ class AdvisoryLock:
         self._timeout = check_timeout(timeout)
         self._on_lost = on_lost
         self._reuse = config.strategy == sessions.REUSE
+        self._shared = config.strategy == sessions.SHARED
         self._session: LockSession | None = None
         self._hold: Hold | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
@@ -201,6 +216,11 @@ class AdvisoryLock:
                 f"lock {self.label} is held by process {hold.session.pid}, not by this "
                 "forked child: its connection is not this process's to use"
             )
+        if hold.session.shared:
+            raise PglockError(
+                f"lock {self.label} is on a shared session, which has no connection of "
+                "its own: write through `with lock.transaction() as conn:`"
+            )
         with hold.session.guard:
             if hold.ended:
                 raise LockLost(f"lock {self.label} was released: it has no connection")
@@ -225,6 +245,9 @@ class AdvisoryLock:
         """
         if self._hold is not None:
             raise RuntimeError(f"lock {self.label} is already held by this object")
+        free_abandoned()
+        if self._shared:
+            return self._acquire_shared()
         session = self._session  # kept from a failed try, for polling
         self._session = None
         if session is None and self._reuse:
@@ -254,22 +277,48 @@ class AdvisoryLock:
             except BaseException:
                 sessions.discard(session)
                 raise
-        self._session = session
-        if got:
-            self._hold = Hold(
-                session,
-                key=self.key,
-                label=self.label,
-                application_name=self.application_name,
-                task_id=self.task_id,
-                config=self.config,
-                on_lost=self._on_lost,
-            )
-            scheduler.watch(self._hold)
-        if self._finalizer is not None:
-            self._finalizer.detach()  # an earlier failed try's, for this same session
-        self._finalizer = weakref.finalize(self, _abandon, session, self._hold)
+        self._settle(session, self._make_hold(session) if got else None)
         return got
+
+    def _make_hold(self, session: LockSession) -> Hold:
+        return Hold(
+            session,
+            key=self.key,
+            label=self.label,
+            application_name=self.application_name,
+            task_id=self.task_id,
+            config=self.config,
+            on_lost=self._on_lost,
+        )
+
+    def _settle(self, session: LockSession | None, hold: Hold | None) -> None:
+        """Keep what acquire got, watched, and freed if this object is dropped."""
+        self._session, self._hold = session, hold
+        if hold is not None:
+            scheduler.watch(hold)
+        if self._finalizer is not None:
+            self._finalizer.detach()  # an earlier failed try's
+            self._finalizer = None
+        if session is not None and (hold is not None or not session.shared):
+            self._finalizer = weakref.finalize(self, _abandon, session, hold, self.label)
+
+    def _acquire_shared(self) -> bool:
+        session, hold = shared.acquire(
+            self.config,
+            self.key,
+            self.label,
+            wait=self._wait,
+            timeout=self._timeout,
+            open_one=self._open_shared,
+            make_hold=self._make_hold,
+        )
+        self._settle(session, hold)
+        return hold is not None
+
+    def _open_shared(self) -> LockSession:
+        session = open_session(self.config, shared.shared_name(self.config.application_name))
+        session.on_failure = functools.partial(shared.fail, session)
+        return session
 
     def _lock_on(self, session: LockSession) -> bool:
         """Take the lock on ``session`` (a fresh or a cached one); return whether granted."""
@@ -396,6 +445,10 @@ class AdvisoryLock:
             scheduler.unwatch(hold)
         if session.pid != os.getpid():
             return
+        if session.shared:
+            if hold is not None:
+                shared.release(session, hold, self.label)
+            return  # the session stays, for the process's other locks
         keep = False
         try:
             if hold is None:
@@ -442,6 +495,25 @@ class AdvisoryLock:
         if hold.lost is not None:
             raise LockLost(f"lock {self.label} was lost while held: {hold.lost}")
         return clean and not session.pgconn.pipeline_status
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[psycopg.Connection[Any]]:
+        """Yield the lock's connection inside a transaction that commits only while held.
+
+        The lock can only go with its session, and then the commit fails too.
+        Under strategy ``shared`` the transaction has the session to itself
+        (other holders on it wait), and what it left on the session is reset.
+        """
+        hold = self._hold
+        if hold is None or hold.session.pid != os.getpid():
+            raise LockLost(f"lock {self.label} is not held: no transaction without it")
+        if hold.session.shared:
+            with shared.transaction(hold, self.label) as conn:
+                yield conn
+            return
+        conn = self.connection
+        with conn.transaction():
+            yield conn
 
     def __enter__(self) -> AdvisoryLock:
         self.acquire()

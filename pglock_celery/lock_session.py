@@ -142,6 +142,11 @@ class LockSession:
         self._prepared: set[bytes] = set()
         #: Whether a holder got a handle since the session was last reset.
         self.handed_out = False
+        #: Strategy ``shared``: the holds on this session, by key.
+        self.holds: dict[int, Any] = {}
+        self.shared = False
+        #: Called once the session is found failed (shared: every lock on it is lost).
+        self.on_failure: Callable[[str], None] | None = None
 
     def __repr__(self) -> str:
         return f"<LockSession backend {self.backend_pid} of process {self.pid}>"

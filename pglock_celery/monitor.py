@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -125,7 +126,8 @@ class Hold:
                 return
             self.lost = reason
             self.changed.set()
-            if not session.closed and "session failed" not in reason:
+            failed = "session failed" in reason
+            if not session.closed and not failed and not session.shared:
                 # Alive but without the lock (or on a standby): end the session,
                 # so that no further write of this holder can commit.
                 with contextlib.suppress(psycopg.Error):
@@ -145,6 +147,8 @@ class Hold:
         )
         if self.on_lost is not None:
             self.on_lost(self, reason)
+        if failed and session.on_failure is not None:
+            session.on_failure(reason)
 
     def monitor(self) -> None:
         """Check the session every check interval until release or loss."""
@@ -158,6 +162,22 @@ class Hold:
                 logger.exception("lock %s: the loss check failed", self.label)
             if self.changed.wait(self.config.check_interval):
                 return
+
+
+#: Locks dropped without release, freed by the scheduler thread (a finalizer may
+#: run inside any code that holds a lock, so it only hands its work on).
+abandoned: deque[Callable[[], None]] = deque()
+
+
+def free_abandoned() -> None:
+    """Free what dropped locks left behind (their sessions, their locks)."""
+    while abandoned:
+        try:
+            abandoned.popleft()()
+        except IndexError:
+            return
+        except Exception:
+            logger.exception("freeing a lock dropped without release failed")
 
 
 #: Called from the monitor thread when a held lock is found lost.
@@ -183,7 +203,7 @@ class _MonitorScheduler:
     def _reset(self) -> None:
         # In a forked child the parent's thread is gone, and so is whoever held the
         # condition's lock at the fork: start from nothing.
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.RLock())
         self._held: dict[int, Hold] = {}
         self._running = False
         self._asleep = False
@@ -191,13 +211,21 @@ class _MonitorScheduler:
 
     def watch(self, hold: Hold) -> None:
         with self._cond:
-            if not self._running:
-                self._running, self._asleep = True, False
-                threading.Thread(target=self._run, name="pglock-monitors", daemon=True).start()
             self._held[id(hold)] = hold
             self._tick = hold.config.check_interval / 4
-            if self._asleep:
-                self._cond.notify()
+            self._wake()
+
+    def wake(self) -> None:
+        """Have the thread free what dropped locks left (see ``abandoned``)."""
+        with self._cond:  # re-entrant: safe from a finalizer in any code of ours
+            self._wake()
+
+    def _wake(self) -> None:
+        if not self._running:
+            self._running, self._asleep = True, False
+            threading.Thread(target=self._run, name="pglock-monitors", daemon=True).start()
+        elif self._asleep:
+            self._cond.notify()
 
     def unwatch(self, hold: Hold) -> None:
         with self._cond:
@@ -213,7 +241,7 @@ class _MonitorScheduler:
                 idle = 0 if self._held else idle + 1
                 if idle > self.IDLE_TICKS:
                     self._asleep = True
-                    cond.wait_for(lambda: bool(self._held))
+                    cond.wait_for(lambda: bool(self._held or abandoned))
                     self._asleep, idle = False, 0
                 now = time.monotonic()
                 due = [
@@ -224,15 +252,13 @@ class _MonitorScheduler:
                 for hold in due:
                     del self._held[id(hold)]
                 tick = self._tick
+            free_abandoned()
             for hold in due:
                 if not hold.ended:
                     threading.Thread(
                         target=hold.monitor, name=f"pglock-monitor {hold.label}", daemon=True
                     ).start()
             time.sleep(tick)
-
-
-_scheduler = _MonitorScheduler()
 
 
 scheduler = _MonitorScheduler()

@@ -5,6 +5,10 @@ Strategy ``reuse`` keeps a few idle sessions per process and DSN: a session is
 checked out by one holder at a time and goes back only after a clean unlock;
 a session a holder had a handle to is reset with ``DISCARD ALL`` first (its
 server-side state back to the session's start); any doubt closes it.
+Strategy ``shared`` lets every lock of a process share at most
+``pglock_shared_sessions`` sessions per DSN. Session locks are re-entrant, so
+an in-process registry of claimed names keeps two holders of this process off
+one name: the second finds it claimed, as if another worker held it.
 
 A forked child must neither use nor close its parent's sessions: after a fork
 the child closes its copies of every session's socket (so only the parent's
@@ -17,14 +21,14 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psycopg
 
 from .config import PglockConfig
 from .lock_session import LockSession, dead_pgconn
 
-CONNECT, REUSE = "connect", "reuse"
+CONNECT, REUSE, SHARED = "connect", "reuse", "shared"
 
 
 _guard = threading.Lock()
@@ -34,6 +38,11 @@ _fork_barrier = threading.Condition()
 #: How long a fork waits for sessions being opened before it goes ahead anyway.
 FORK_WAIT = 30.0
 _open: set[LockSession] = set()
+# The shared strategy: sessions per DSN, slots being opened, names claimed here.
+_shared: dict[str, list[LockSession]] = {}
+_shared_opening: dict[str, int] = {}
+_shared_ready = threading.Condition(_guard)
+_claimed: set[tuple[str, int]] = set()
 _idle: dict[str, list[LockSession]] = {}
 # A child's copies of its parent's sessions: kept alive, never finalized.
 _inherited: list[LockSession] = []
@@ -108,6 +117,81 @@ def close_idle() -> None:
             discard(session)
 
 
+def locked() -> threading.Lock:
+    """The registry's lock (anew after a fork), for state kept on sessions."""
+    return _guard
+
+
+def claim(dsn: str, key: int) -> bool:
+    """Claim ``key`` for one holder of this process; False when another has it."""
+    with _guard:
+        if (dsn, key) in _claimed:
+            return False
+        _claimed.add((dsn, key))
+        return True
+
+
+def unclaim(dsn: str, key: int) -> None:
+    with _guard:
+        _claimed.discard((dsn, key))
+
+
+def shared_session(config: PglockConfig, open_one: Callable[[], LockSession]) -> LockSession:
+    """The least busy shared session for ``config``'s DSN, opening one while below the bound.
+
+    At most ``config.shared_sessions`` are open or being opened per DSN; a
+    caller that finds none ready waits for one being opened by another.
+    """
+    dsn = config.require_dsn()
+    with _shared_ready:
+        while True:
+            pool = _shared.setdefault(dsn, [])
+            pool[:] = [session for session in pool if not session.closed]
+            opening = _shared_opening.get(dsn, 0)
+            idle = [session for session in pool if not session.holds]
+            if pool and (idle or len(pool) + opening >= config.shared_sessions):
+                return min(idle or pool, key=lambda session: len(session.holds))
+            if len(pool) + opening < config.shared_sessions:
+                _shared_opening[dsn] = opening + 1
+                break
+            _shared_ready.wait()
+    try:
+        session = open_one()
+        session.shared = True
+    finally:
+        with _shared_ready:
+            _shared_opening[dsn] -= 1
+            _shared_ready.notify_all()
+    with _shared_ready:
+        _shared[dsn].append(session)
+    return session
+
+
+def drop_shared(session: LockSession) -> None:
+    """Take a failed shared session out of its pool and close it."""
+    with _guard:
+        pool = _shared.get(session.dsn, [])
+        if session in pool:
+            pool.remove(session)
+    discard(session)
+
+
+def shared_count(dsn: str) -> int:
+    """Shared sessions this process has open for ``dsn`` (for tests and benchmarks)."""
+    with _guard:
+        return len(_shared.get(dsn, []))
+
+
+def close_shared() -> None:
+    """Close every shared session of this process that holds nothing."""
+    with _guard:
+        quiet = [s for pool in _shared.values() for s in pool if not s.holds]
+        for pool in _shared.values():
+            pool[:] = [s for s in pool if s.holds]
+    for session in quiet:
+        discard(session)
+
+
 def _before_fork() -> None:
     _fork_barrier.acquire()
     _fork_barrier.wait_for(lambda: _opening == 0, timeout=FORK_WAIT)
@@ -118,10 +202,14 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _guard, _fork_barrier, _opening
+    global _guard, _fork_barrier, _opening, _shared_ready
     # The parent's threads are gone; a lock one of them held would never be released.
     _guard = threading.Lock()
+    _shared_ready = threading.Condition(_guard)
     _fork_barrier, _opening = threading.Condition(), 0
+    _shared.clear()
+    _shared_opening.clear()
+    _claimed.clear()
     for session in list(_open):
         if not session.closed:
             with contextlib.suppress(OSError, psycopg.Error):
