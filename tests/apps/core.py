@@ -41,8 +41,8 @@ app.conf.update(
 def _record_start(table: str, attempt: int = 0) -> int:
     lock = current_lock()
     assert lock is not None, "step body ran without a current lock"
-    with lock.connection.transaction():
-        row = lock.connection.execute(
+    with lock.transaction() as conn:  # every strategy, shared too
+        row = conn.execute(
             f"INSERT INTO {table} (lock_name, worker_pid, session_pid, attempt, started)"
             " VALUES (%s, %s, pg_backend_pid(), %s, clock_timestamp()) RETURNING id",
             (lock.name, os.getpid(), attempt),
@@ -54,10 +54,8 @@ def _record_start(table: str, attempt: int = 0) -> int:
 def _record_end(table: str, run_id: int) -> None:
     lock = current_lock()
     assert lock is not None
-    with lock.connection.transaction():
-        lock.connection.execute(
-            f"UPDATE {table} SET finished = clock_timestamp() WHERE id = %s", (run_id,)
-        )
+    with lock.transaction() as conn:
+        conn.execute(f"UPDATE {table} SET finished = clock_timestamp() WHERE id = %s", (run_id,))
 
 
 def _run(table: str, seconds: float, attempt: int = 0) -> dict[str, Any]:
