@@ -166,14 +166,15 @@ def chaos_step(tenant_id: str, table: str, seconds: float) -> dict[str, Any]:
     """A run with a non-atomic read-sleep-write counter: lost updates show overlaps."""
     lock = current_lock()
     assert lock is not None
-    conn = lock.connection
     run_id = _record_start(table)
-    read = conn.execute(
-        f"SELECT coalesce((SELECT n FROM {table}_counter WHERE lock_name = %s), 0)", (lock.name,)
-    ).fetchone()
+    with lock.transaction() as conn:
+        read = conn.execute(
+            f"SELECT coalesce((SELECT n FROM {table}_counter WHERE lock_name = %s), 0)",
+            (lock.name,),
+        ).fetchone()
     assert read is not None
     lock.sleep(seconds)
-    with conn.transaction():
+    with lock.transaction() as conn:
         conn.execute(
             f"INSERT INTO {table}_counter (lock_name, n) VALUES (%s, %s)"
             " ON CONFLICT (lock_name) DO UPDATE SET n = EXCLUDED.n",
