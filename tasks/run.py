@@ -144,6 +144,8 @@ class FlowerSite:
 def port_problem(port: int) -> str | None:
     """Why Flower could not listen on 127.0.0.1:``port``, or None when it can."""
     with socket.socket() as probe:
+        # As Flower (tornado) binds: a port left in TIME_WAIT by a previous run is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError as exc:
@@ -273,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                     run_until_done(args, crew, dsn, view)
                 except KeyboardInterrupt:
                     print("interrupted: stopping the replicas, beat and Flower", flush=True)
-        return print_summary(args, dsn, app, time.monotonic() - started, crew, site)
+            elapsed = time.monotonic() - started
+        return print_summary(args, dsn, app, elapsed, crew, site)
     return 0
 
 
@@ -337,9 +340,8 @@ def print_summary(
     print(f"\nsummary after {elapsed:.1f} s with {len(crew.replicas)} replicas:")
     for line in summary.lines():
         print(f"  {line}")
-    print(f"  skips              {sum(by_node.values())} (steps that found their tenant locked")
-    print(f"                     by another replica: {per_replica};")
-    print(f"                     {len(by_tenant)} of {summary.tenants} tenants)")
+    print(f"  skips              {sum(by_node.values())} (a step found its tenant locked by another")
+    print(f"                     worker process: {per_replica}; {len(by_tenant)} tenants)")
     print(f"  replica kills      {crew.kills}")
     if crew.failures:
         print(f"  failed components  {len(crew.failures)} (expected: 0)")
