@@ -34,9 +34,13 @@ logger = get_task_logger(__name__)
 
 #: Errors in a row before a tenant is stopped for an operator to look at.
 MAX_ATTEMPTS = 5
-#: Redis hashes of skipped steps: per worker (node name) and per tenant.
-SKIPS_KEY = "orchestrator:skips"
-TENANT_SKIPS_KEY = "orchestrator:skips-by-tenant"
+
+
+def skip_keys(queue: str) -> tuple[str, str]:
+    """The Redis hashes counting one queue's skipped steps: per worker node, per tenant."""
+    return f"orchestrator:skips:{queue}", f"orchestrator:skips-by-tenant:{queue}"
+
+
 #: Step messages per broker round trip when a scan fans out.
 BATCH = 500
 
@@ -65,9 +69,10 @@ class PipelineTask(TenantLockedTask):
         self, lock_name: str, holder: dict[str, Any] | None, args: Any, kwargs: Any
     ) -> Any:
         try:
+            by_node, by_tenant = skip_keys(app.conf.task_default_queue)
             with app.backend.client.pipeline() as counters:
-                counters.hincrby(SKIPS_KEY, self.request.hostname or "?", 1)
-                counters.hincrby(TENANT_SKIPS_KEY, lock_name.removeprefix("training:"), 1)
+                counters.hincrby(by_node, self.request.hostname or "?", 1)
+                counters.hincrby(by_tenant, lock_name.removeprefix("training:"), 1)
                 counters.execute()
         except Exception as exc:  # a counter must never fail a step
             logger.warning("could not count a skip: %s", exc)

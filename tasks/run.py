@@ -245,14 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         }
         os.environ.update(env)  # this process's `tasks` app reads the same settings
         from .celery_app import app
-        from .pipeline import SKIPS_KEY, TENANT_SKIPS_KEY
+        from .pipeline import skip_keys
         from .schema import apply_schema
         from .tenants import seed_tenants
 
         apply_schema(dsn)
         seed_tenants(dsn, [f"tenant-{n:03d}" for n in range(1, args.tenants + 1)])
         app.control.purge()
-        app.backend.client.delete(SKIPS_KEY, TENANT_SKIPS_KEY)
+        app.backend.client.delete(*skip_keys(env["ORCH_QUEUE"]))
         print(
             f"database {describe_target(dsn)}, broker {safe_url(broker)},"
             f" results {safe_url(results)}, logs in {logs}",
@@ -326,13 +326,13 @@ def print_summary(
     crew: Fleet,
     site: FlowerSite,
 ) -> int:
-    from .pipeline import SKIPS_KEY, TENANT_SKIPS_KEY
+    from .pipeline import skip_keys
     from .report import summarize
 
     with psycopg.connect(dsn) as conn:
         summary = summarize(conn)
-    by_node = skip_counts(app, SKIPS_KEY)
-    by_tenant = skip_counts(app, TENANT_SKIPS_KEY)
+    node_key, tenant_key = skip_keys(app.conf.task_default_queue)
+    by_node, by_tenant = skip_counts(app, node_key), skip_counts(app, tenant_key)
     per_replica = ", ".join(
         f"{r.name} {sum(n for node, n in by_node.items() if node.startswith(r.name + '@'))}"
         for r in crew.replicas
@@ -340,8 +340,8 @@ def print_summary(
     print(f"\nsummary after {elapsed:.1f} s with {len(crew.replicas)} replicas:")
     for line in summary.lines():
         print(f"  {line}")
-    print(f"  skips              {sum(by_node.values())} (a step found its tenant locked by another")
-    print(f"                     worker process: {per_replica}; {len(by_tenant)} tenants)")
+    print(f"  skips              {sum(by_node.values())} (a step found its tenant locked by")
+    print(f"                     another worker process: {per_replica}; {len(by_tenant)} tenants)")
     print(f"  replica kills      {crew.kills}")
     if crew.failures:
         print(f"  failed components  {len(crew.failures)} (expected: 0)")

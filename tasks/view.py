@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from .pipeline import SKIPS_KEY, TENANT_SKIPS_KEY
+from .pipeline import skip_keys
 from .report import tenant_rows
 
 if TYPE_CHECKING:
@@ -68,8 +68,8 @@ class View:
             steps = dict(
                 conn.execute("SELECT worker, count(*) FROM step_history GROUP BY worker").fetchall()
             )
-        skips = self._counts(SKIPS_KEY)
-        tenant_skips = self._counts(TENANT_SKIPS_KEY)
+        by_node, by_tenant = skip_keys(self.app.conf.task_default_queue)
+        skips, tenant_skips = self._counts(by_node), self._counts(by_tenant)
         fewest = min((t.completed_cycles for t in tenants), default=0)
         target = self.args.cycles
         done = sum(
