@@ -90,3 +90,26 @@ def test_celery_lists_the_pglock_command_and_passes_help_through() -> None:
     assert helped.stdout.startswith("usage: celery pglock key")
     key = celery("pglock", "key", "tenant:42", env={})
     assert key.stdout.strip() == str(lock_key("tenant:42"))
+
+
+def test_a_django_projects_celery_pglock_dsn_is_read(pg_dsn: str, tmp_path: Path) -> None:
+    """The README's Django layout: CELERY_PGLOCK_DSN in settings, namespace="CELERY"."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "__init__.py").write_text("from .celery import app\n")
+    (proj / "settings.py").write_text(
+        f"SECRET_KEY = 'test'\nUSE_TZ = True\nINSTALLED_APPS = []\nCELERY_PGLOCK_DSN = {pg_dsn!r}\n"
+    )
+    (proj / "celery.py").write_text(
+        "import os\n"
+        "from celery import Celery\n"
+        "os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'proj.settings')\n"
+        "app = Celery('proj')\n"
+        "app.config_from_object('django.conf:settings', namespace='CELERY')\n"
+    )
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    with try_lock("django-project-lock", dsn=pg_dsn) as held:
+        assert held.acquired
+        done = celery("-A", "proj", "pglock", "locks", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    assert lock_key("django-project-lock") in {row["key"] for row in json.loads(done.stdout)}
