@@ -21,6 +21,6 @@ from .cli import main
 @click.argument("arguments", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def pglock(ctx: click.Context, arguments: tuple[str, ...]) -> None:
-    """Advisory locks of the app's pglock_dsn: locks, key, doctor (--help for more)."""
+    """Advisory locks of the app's pglock_dsn: locks, key, doctor and more (pglock --help)."""
     app = getattr(ctx.obj, "app", None)
     ctx.exit(main(list(arguments), app=app, prog="celery pglock"))
