@@ -6,6 +6,7 @@ import uuid
 from pathlib import Path
 
 import psycopg
+import redis
 from celery import Celery
 
 from tasks import fleet
@@ -100,5 +101,6 @@ class Orchestra:
     def close(self) -> None:
         for process in self.processes:
             process.stop()
+        redis.Redis.from_url(self.env["ORCH_RESULT_BACKEND"]).delete(*skip_keys(self.queue))
         with psycopg.connect(self.base_dsn, autocommit=True) as conn:
             conn.execute(f"DROP SCHEMA IF EXISTS {self.schema} CASCADE")

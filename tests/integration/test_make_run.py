@@ -13,9 +13,11 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import redis
 
 from tasks import fleet
 from tasks.celery_app import app as tasks_app
+from tasks.pipeline import skip_keys
 from tasks.run import Fleet, FlowerSite, wait_until_up
 from tests.helpers.rabbitmq import delete_queues, rabbitmq_for_tests
 from tests.helpers.services import free_port
@@ -24,11 +26,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def schema(pg_dsn: str) -> Iterator[str]:
+def schema(pg_dsn: str, broker_url: str) -> Iterator[str]:
+    """A schema (and queue) of the test's own, dropped afterwards with its skip counters."""
     name = f"orch_run_{uuid.uuid4().hex[:8]}"
     yield name
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
+    redis.Redis.from_url(broker_url).delete(*skip_keys(f"pipelines-{name}"))
 
 
 def make_run(args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
