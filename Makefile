@@ -4,18 +4,31 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# The oldest Celery, kombu and psycopg that pyproject.toml allows (.ci/oldest.txt).
+OLDEST := .venv-oldest
+OLDEST_STAMP := $(OLDEST)/.installed-stamp
+# Debian packages some tests need, installed when we may (root with apt-get): PgBouncer
+# (the doctor's pooler test), Chromium and its driver (Flower in a real browser).
+APT_PACKAGES := pgbouncer chromium chromium-driver
 
-.PHONY: run test lint unit integration chaos soak bench clean
+.PHONY: run test lint unit integration chaos matrix soak bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[run,test]'
-	@# PgBouncer, for the doctor's pooler test: from Debian's packages when we may install.
-	@command -v pgbouncer >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
-		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer) \
-		|| echo "pgbouncer could not be installed: the doctor's pooler test will fail"
+	$(PY) -m pip install --quiet -e '.[redis,binary,run,test]'
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	[ -z "$$missing" ] || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
+		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) \
+		|| echo "could not install $$missing: the tests that need them will fail"
 	touch $(STAMP)
+
+$(OLDEST_STAMP): pyproject.toml .ci/oldest.txt
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST)/bin/python -m pip install --quiet -c .ci/oldest.txt -e '.[redis,binary]' \
+		pytest pytest-timeout hypothesis django pyyaml psutil flower
+	touch $(OLDEST_STAMP)
 
 # Options: make run ARGS="--tenants 20 --replicas 3 --duration 60 --fast --chaos"
 run: $(STAMP)
@@ -28,10 +41,19 @@ lint: $(STAMP)
 
 # The default strategy (reuse) runs everything; the lock, worker and fault tests run
 # again with a session per lock (connect).
-test: lint
+test: lint matrix
 	$(PY) -m pytest tests
 	PGLOCK_STRATEGY=connect $(PY) -m pytest tests/integration/test_lock.py \
 		tests/integration/test_workers.py tests/integration/test_fail_closed.py tests/chaos/test_faults.py
+
+# The oldest Celery the metadata allows (the main venv has the newest): unit tests, the
+# worker tests that prove G1, G2 and the lock modes, and the celery sub-command.
+matrix: $(OLDEST_STAMP)
+	$(OLDEST)/bin/python -c 'import celery, kombu, psycopg; \
+		print("oldest: celery", celery.__version__, "kombu", kombu.__version__, "psycopg", psycopg.__version__)'
+	$(OLDEST)/bin/python -m pytest tests/unit tests/integration/test_celery_command.py
+	$(OLDEST)/bin/python -m pytest tests/integration/test_workers.py \
+		-k 'overlap or sigkill or wait_mode or retry_mode or released'
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit
@@ -51,4 +73,4 @@ soak: $(STAMP)
 	$(PY) -m tests.chaos.soak $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) .pytest_cache .mypy_cache .ruff_cache

@@ -15,6 +15,7 @@
 | ORCH_TRAINING_SECONDS     | 20 (how long a simulated training job runs) |
 | ORCH_TRAINING_FAILURE_RATE| 0.05 (share of simulated jobs that fail) |
 | ORCH_STEP_SECONDS         | 0.05 (simulated work inside each step) |
+| ORCH_DOWNLOAD_SECONDS     | 8 (fetching a trained model: longer than a scan interval) |
 """
 
 from __future__ import annotations
@@ -52,3 +53,4 @@ orchestrator_poll_interval = float(os.environ.get("ORCH_POLL_INTERVAL", "5"))
 orchestrator_training_seconds = float(os.environ.get("ORCH_TRAINING_SECONDS", "20"))
 orchestrator_training_failure_rate = float(os.environ.get("ORCH_TRAINING_FAILURE_RATE", "0.05"))
 orchestrator_step_seconds = float(os.environ.get("ORCH_STEP_SECONDS", "0.05"))
+orchestrator_download_seconds = float(os.environ.get("ORCH_DOWNLOAD_SECONDS", "8"))

@@ -15,6 +15,8 @@ from .keys import lock_key
 from .lock import AdvisoryLock, current_lock, try_lock, wait_lock
 from .task import LOCK_LOST_EVENT, LOCK_SKIPPED_EVENT, TenantLockedTask
 
+__version__ = "0.2.0"
+
 __all__ = [
     "LOCK_LOST_EVENT",
     "LOCK_SKIPPED_EVENT",

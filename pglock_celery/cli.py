@@ -1,5 +1,8 @@
 """The pglock-celery command: who holds which lock, a key for a name, a doctor, guards.
 
+The same command runs as ``celery -A proj pglock ...`` (see celery_command.py);
+``-A/--app`` gives either one the Celery app whose ``pglock_dsn`` to use.
+
 Exit codes: 0 fine, 1 the doctor found something that makes the locks unsafe,
 2 bad input or a database that cannot be reached (one line on stderr, never a
 traceback or a password).
@@ -13,9 +16,11 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import psycopg
 
+from . import __version__
 from .doctor import run_checks
 from .dsn import describe_target, dsn_problem, redact
 from .exceptions import PglockError
@@ -31,9 +36,11 @@ class UsageError(Exception):
 
 
 def _dsn(args: argparse.Namespace) -> str:
-    dsn = args.dsn or os.environ.get("PGLOCK_DSN")
+    dsn = args.dsn or _app_dsn(args) or os.environ.get("PGLOCK_DSN")
     if not dsn:
-        raise UsageError("no database: pass --dsn or set PGLOCK_DSN")
+        raise UsageError(
+            "no database: pass --dsn, set pglock_dsn on the app given with -A, or set PGLOCK_DSN"
+        )
     problem = dsn_problem(dsn)
     if problem is not None:
         raise UsageError(f"malformed DSN ({problem}); its text is not shown")
@@ -168,8 +175,9 @@ def cmd_guard_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pglock-celery", description=__doc__.splitlines()[0])
+def build_parser(prog: str = "pglock-celery") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    _add_app_options(parser)
     commands = parser.add_subparsers(dest="command", required=True)
 
     locks = commands.add_parser("locks", help="every advisory lock held, with its holder")
@@ -218,21 +226,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, *, app: Any = None, prog: str = "pglock-celery") -> int:
+    """Run the command; ``app`` is a Celery app already loaded (by ``celery -A``)."""
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
+        if app is not None and args.app is None:
+            args.loaded_app = app
         result: int = args.run(args)
         return result
     except (UsageError, PglockError) as exc:
         print(f"pglock-celery: error: {exc}", file=sys.stderr)
         return 2
     except psycopg.Error as exc:
-        dsn = getattr(args, "dsn", None) or os.environ.get("PGLOCK_DSN")
+        dsn = getattr(args, "dsn", None) or _app_dsn(args) or os.environ.get("PGLOCK_DSN")
         print(f"pglock-celery: error: {redact(' '.join(str(exc).split()), dsn)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+# The Celery app (-A/--app) and --version: kept apart from the commands above.
+
+
+def _add_app_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-A",
+        "--app",
+        metavar="APP",
+        help="a Celery app (module or module:attribute, as for celery -A): its pglock_dsn "
+        "is the database when --dsn is not given",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+
+
+def _load_app(name: str) -> Any:
+    """Import the Celery app ``name`` the way ``celery -A`` does."""
+    from celery.app.utils import find_app
+
+    try:
+        return find_app(name)
+    except Exception as exc:  # anything the app's own import raises
+        reason = f"{type(exc).__name__}: {exc}"
+        raise UsageError(f"cannot load the Celery app {name!r}: {reason}") from None
+
+
+def _app_dsn(args: argparse.Namespace) -> str | None:
+    """The app's pglock_dsn (its PGLOCK_DSN fallback included), or None without an app."""
+    from .config import get_config
+
+    app = getattr(args, "loaded_app", None)
+    if app is None and getattr(args, "app", None):
+        app = args.loaded_app = _load_app(args.app)
+    return None if app is None else get_config(app).dsn
 
 
 if __name__ == "__main__":

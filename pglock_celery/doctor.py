@@ -162,8 +162,11 @@ def check_keepalives(conn: psycopg.Connection) -> Iterator[Finding]:
             f"server keepalives notice a cut-off client after about {bound} s (the OS "
             "defaults: 2 h 11 min); pglock's lock sessions set their own bound, other "
             "sessions do not",
-            "ALTER SYSTEM SET tcp_keepalives_idle = 5; tcp_keepalives_interval = 2; "
-            "tcp_keepalives_count = 5; tcp_user_timeout = 15000",
+            "ALTER SYSTEM SET tcp_keepalives_idle = 5; "
+            "ALTER SYSTEM SET tcp_keepalives_interval = 2; "
+            "ALTER SYSTEM SET tcp_keepalives_count = 5; "
+            "ALTER SYSTEM SET tcp_user_timeout = 15000; "
+            "SELECT pg_reload_conf();",
         )
     else:
         yield Finding("keepalives", "ok", f"server keepalives notice a cut-off client in {bound} s")

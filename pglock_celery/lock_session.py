@@ -61,6 +61,8 @@ class SessionConnection(psycopg.Connection[Any]):
         if _green_select():
             # wait_c polls in C, out of the hub's reach: it would block every green thread.
             return waiting.wait_select(gen, self.pgconn.socket, interval=interval)
+        if timeout is None:  # psycopg before 3.3 takes no timeout
+            return super().wait(gen, interval)
         return super().wait(gen, interval, timeout)
 
 

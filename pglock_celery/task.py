@@ -13,6 +13,7 @@ import functools
 import inspect
 import logging
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from typing import Any, ClassVar
@@ -59,8 +60,24 @@ def _events_flag_to_conf(conf: Any = None, options: Any = None, **_: Any) -> Non
         conf.worker_send_task_events = True
 
 
+#: Options of other lock libraries (celery-once, celery-singleton) that mean nothing
+#: here: a task that sets one is warned, not silently ignored.
+FOREIGN_OPTIONS = ("once", "lock_expiry", "raise_on_duplicate", "unlock_before_run")
+
+
 class TenantLockedTask(Task):  # type: ignore[type-arg]
     """A Celery task whose body runs only while it holds a Postgres advisory lock."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for option in FOREIGN_OPTIONS:
+            if option in cls.__dict__:
+                warnings.warn(
+                    f"task {cls.__name__}: {option!r} is an option of another lock library "
+                    "and does nothing here (see the README's migration guide)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     #: The lock of a call: a ``str.format`` template over the call's bound
     #: arguments (defaults applied), or a callable taking the call's arguments

@@ -34,7 +34,13 @@ logger = get_task_logger(__name__)
 
 #: Errors in a row before a tenant is stopped for an operator to look at.
 MAX_ATTEMPTS = 5
-SKIPS_KEY = "orchestrator:skips"
+
+
+def skip_keys(queue: str) -> tuple[str, str]:
+    """The Redis hashes counting one queue's skipped steps: per worker node, per tenant."""
+    return f"orchestrator:skips:{queue}", f"orchestrator:skips-by-tenant:{queue}"
+
+
 #: Step messages per broker round trip when a scan fans out.
 BATCH = 500
 
@@ -57,13 +63,17 @@ class Pipeline:
 
 
 class PipelineTask(TenantLockedTask):
-    """Counts skips per replica, for the live view."""
+    """Counts skips per replica and per tenant, for the live view and the summary."""
 
     def on_lock_skipped(
         self, lock_name: str, holder: dict[str, Any] | None, args: Any, kwargs: Any
     ) -> Any:
         try:
-            app.backend.client.hincrby(SKIPS_KEY, self.request.hostname or "?", 1)
+            by_node, by_tenant = skip_keys(app.conf.task_default_queue)
+            with app.backend.client.pipeline() as counters:
+                counters.hincrby(by_node, self.request.hostname or "?", 1)
+                counters.hincrby(by_tenant, lock_name.removeprefix("training:"), 1)
+                counters.execute()
         except Exception as exc:  # a counter must never fail a step
             logger.warning("could not count a skip: %s", exc)
         return super().on_lock_skipped(lock_name, holder, args, kwargs)
@@ -118,6 +128,13 @@ def _step(p: Pipeline, dsn: str) -> tuple[str, dict[str, Any], float]:
     if p.stage == "downloading":
         assert p.job_id is not None
         score = training.download(dsn, p.job_id)
+        # Fetching the model's artifacts outlasts a scan interval, as it does in a real
+        # fleet: the scans meanwhile find the tenant still due and send it again, and
+        # those steps skip on whichever replica gets them. lock.sleep() raises LockLost
+        # as soon as the lock is found lost.
+        lock = current_lock()
+        assert lock is not None
+        lock.sleep(_seconds("download_seconds"))
         return "downloaded", {"stage": "evaluating", "candidate_score": score}, 0.0
     # evaluating: promote only a candidate at least as good as the model in use.
     assert p.candidate_score is not None

@@ -1,28 +1,35 @@
 """`make run`: the orchestrator on one machine, with a live view and a summary.
 
-Finds Postgres and Redis (PGLOCK_DSN / ORCH_BROKER_URL, else the local
-defaults, else embedded servers), applies the schema in its own Postgres
-schema, seeds tenants, starts worker replicas, beat and Flower, and shows each
-tenant's stage and holder, each replica's steps and skips, and the cycles
-completed. On exit it stops everything it started and prints a summary with
-the overlap check of the step history (expected: 0).
+Finds Postgres and Redis (PGLOCK_DSN / ORCH_BROKER_URL or --broker, else the
+local defaults, else embedded servers), applies the schema in its own Postgres
+schema, seeds tenants, starts worker replicas, beat and Flower, waits until each
+one is up (a component that does not start ends the run with status 1), and
+shows each tenant's stage, holder and skips, each replica's steps and skips, and
+the cycles completed. On exit it stops everything it started and prints a
+summary with the skips and the overlap check of the step history (expected: 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import os
 import random
 import re
+import secrets
+import socket
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
+from celery import Celery
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from pglock_celery.dsn import describe_target
@@ -37,7 +44,10 @@ FAST_CLOCK = {
     "ORCH_POLL_INTERVAL": "0.5",
     "ORCH_TRAINING_SECONDS": "1",
     "ORCH_STEP_SECONDS": "0.02",
+    "ORCH_DOWNLOAD_SECONDS": "1.5",
 }
+#: Seconds a component may take to come up before the run gives up on it.
+START_TIMEOUT = 60.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,11 +65,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chaos-interval", type=float, default=5.0, help="seconds between kills")
     parser.add_argument("--concurrency", type=int, default=2, help="processes per replica (2)")
     parser.add_argument("--flower-port", type=int, default=5555, help="Flower's port (5555)")
+    parser.add_argument(
+        "--broker",
+        default=os.environ.get("ORCH_BROKER_URL", ""),
+        help="broker URL, Redis or RabbitMQ (amqp://...); default: ORCH_BROKER_URL, else "
+        "local or embedded Redis. Results and skip counters stay on Redis",
+    )
+    parser.add_argument(
+        "--beats", type=int, default=1, help="beat processes (1; 2 shows a duplicated schedule)"
+    )
     parser.add_argument("--schema", default="orchestrator", help="Postgres schema to use")
     parser.add_argument("--plain", action="store_true", help="status lines, not a live view")
     args = parser.parse_args(argv)
-    if args.tenants < 1 or args.replicas < 1 or args.concurrency < 1:
-        parser.error("--tenants, --replicas and --concurrency must be at least 1")
+    if min(args.tenants, args.replicas, args.concurrency, args.beats) < 1:
+        parser.error("--tenants, --replicas, --concurrency and --beats must be at least 1")
     if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", args.schema):
         parser.error(f"--schema {args.schema!r}: use lowercase letters, digits and _")
     return args
@@ -82,8 +101,15 @@ def prepare_database(base_dsn: str, schema: str) -> str:
 @dataclass
 class Fleet:
     replicas: list[fleet.Process]
-    others: list[fleet.Process] = field(default_factory=list)
+    beats: list[fleet.Process]
+    flower: fleet.Process
     kills: int = 0
+    #: What went wrong with a component (did not start, exited by itself).
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def others(self) -> list[fleet.Process]:
+        return [*self.beats, self.flower]
 
     def replica_of(self, pid: int | None) -> str | None:
         for replica in self.replicas:
@@ -97,12 +123,51 @@ class Fleet:
             process.stop()
 
 
+@dataclass(frozen=True)
+class FlowerSite:
+    url: str
+    user: str
+    password: str
+
+    def answers(self) -> bool:
+        token = base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
+        request = urllib.request.Request(
+            f"{self.url}healthcheck", headers={"Authorization": f"Basic {token}"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=2) as response:
+                return bool(response.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+
+def port_problem(port: int) -> str | None:
+    """Why Flower could not listen on 127.0.0.1:``port``, or None when it can."""
+    with socket.socket() as probe:
+        # As Flower (tornado) binds: a port left in TIME_WAIT by a previous run is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
+def flower_site(port: int) -> tuple[FlowerSite, str]:
+    """Flower's address and credentials: FLOWER_BASIC_AUTH when set, else made up now."""
+    auth = os.environ.get("FLOWER_BASIC_AUTH") or f"ops:{secrets.token_urlsafe(9)}"
+    user, _, password = auth.partition(",")[0].partition(":")
+    return FlowerSite(f"http://127.0.0.1:{port}/", user, password), auth
+
+
 @contextlib.contextmanager
-def started_fleet(args: argparse.Namespace, env: dict[str, str], logs: Path) -> Iterator[Fleet]:
+def started_fleet(
+    args: argparse.Namespace, env: dict[str, str], logs: Path, flower_auth: str
+) -> Iterator[Fleet]:
     replicas = [fleet.replica(n + 1, env, logs, args.concurrency) for n in range(args.replicas)]
-    crew = Fleet(
-        replicas, [fleet.beat("beat", env, logs), fleet.flower(args.flower_port, env, logs)]
-    )
+    beats = [fleet.beat(f"beat{n + 1}", env, logs) for n in range(args.beats)]
+    flower_env = {**env, "FLOWER_BASIC_AUTH": flower_auth}
+    crew = Fleet(replicas, beats, fleet.flower(args.flower_port, flower_env, logs))
     try:
         for process in [*replicas, *crew.others]:
             process.start()
@@ -111,42 +176,113 @@ def started_fleet(args: argparse.Namespace, env: dict[str, str], logs: Path) -> 
         crew.stop()
 
 
+def wait_until_up(crew: Fleet, app: Celery, site: FlowerSite) -> list[str]:
+    """Wait until every replica answers a ping, beat runs and Flower serves.
+
+    Returns one line per component that exited or did not come up in time.
+    """
+    host = socket.gethostname()
+    pending = {replica.name: replica for replica in crew.replicas}
+    flower_up = False
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        exited = [p for p in [*crew.replicas, *crew.others] if not p.alive()]
+        if exited:
+            return [exit_report(p) for p in exited]
+        if pending:
+            answered = app.control.ping(
+                destination=[f"{name}@{host}" for name in pending], timeout=0.5
+            )
+            for reply in answered:
+                for node in reply:
+                    pending.pop(node.split("@")[0], None)
+        flower_up = flower_up or site.answers()
+        if not pending and flower_up:
+            return []
+        time.sleep(0.2)
+    late = [f"{name} did not answer a ping within {START_TIMEOUT:.0f} s" for name in pending]
+    if not flower_up:
+        late.append(f"flower did not serve {site.url} within {START_TIMEOUT:.0f} s")
+    return late
+
+
+def exit_report(process: fleet.Process) -> str:
+    """One line on a process that exited: its status and the last line of its log."""
+    status = process.process.returncode if process.process is not None else None
+    last = process.log_tail(1).strip() or "(empty log)"
+    return f"{process.name} exited with status {status}: {last} (log: {process.log})"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    problem = port_problem(args.flower_port)
+    if problem is not None:
+        print(
+            f"make run: Flower's port {args.flower_port} on 127.0.0.1 is taken ({problem}):"
+            " stop what listens there or pass --flower-port",
+            file=sys.stderr,
+        )
+        return 2
     work = Path(tempfile.mkdtemp(prefix="pglock-run-"))
     logs = work / "logs"
     logs.mkdir()
     with contextlib.ExitStack() as stack:
         base_dsn = stack.enter_context(postgres_service(work / "postgres", "PGLOCK_DSN"))
-        broker = stack.enter_context(redis_service(work / "redis", "ORCH_BROKER_URL"))
+        # Results and skip counters live on Redis, whatever the broker.
+        results = os.environ.get("ORCH_RESULT_BACKEND", "")
+        if not results and os.environ.get("ORCH_BROKER_URL", "").startswith("redis"):
+            results = os.environ["ORCH_BROKER_URL"]
+        if not results:
+            results = stack.enter_context(redis_service(work / "redis", "ORCH_RESULT_BACKEND"))
+        broker = args.broker or results
         dsn = prepare_database(base_dsn, args.schema)
         env = {
             "PGLOCK_DSN": dsn,
             "ORCH_BROKER_URL": broker,
-            "ORCH_RESULT_BACKEND": broker,
+            "ORCH_RESULT_BACKEND": results,
             "ORCH_QUEUE": f"pipelines-{args.schema}",
             **(FAST_CLOCK if args.fast else {}),
         }
         os.environ.update(env)  # this process's `tasks` app reads the same settings
         from .celery_app import app
-        from .pipeline import SKIPS_KEY
+        from .pipeline import skip_keys
         from .schema import apply_schema
         from .tenants import seed_tenants
 
         apply_schema(dsn)
         seed_tenants(dsn, [f"tenant-{n:03d}" for n in range(1, args.tenants + 1)])
         app.control.purge()
-        app.backend.client.delete(SKIPS_KEY)
-        print(f"database {describe_target(dsn)}, broker {broker}, logs in {logs}", flush=True)
+        app.backend.client.delete(*skip_keys(env["ORCH_QUEUE"]))
+        print(
+            f"database {describe_target(dsn)}, broker {safe_url(broker)},"
+            f" results {safe_url(results)}, logs in {logs}",
+            flush=True,
+        )
+        site, flower_auth = flower_site(args.flower_port)
         started = time.monotonic()
-        with started_fleet(args, env, logs) as crew:
-            view = View(args, crew, dsn, app, started)
-            try:
-                run_until_done(args, crew, dsn, view)
-            except KeyboardInterrupt:
-                print("interrupted: stopping the replicas, beat and Flower", flush=True)
-        return print_summary(args, dsn, time.monotonic() - started, crew)
+        with started_fleet(args, env, logs, flower_auth) as crew:
+            crew.failures.extend(wait_until_up(crew, app, site))
+            if crew.failures:
+                for failure in crew.failures:
+                    print(f"make run: {failure}", file=sys.stderr, flush=True)
+            else:
+                print(
+                    f"Flower: {site.url} (user {site.user}, password {site.password})"
+                    f" | {args.replicas} replicas, {args.beats} beat(s) up", flush=True,
+                )  # fmt: skip
+                view = View(args, crew, dsn, app, started)
+                try:
+                    run_until_done(args, crew, dsn, view)
+                except KeyboardInterrupt:
+                    print("interrupted: stopping the replicas, beat and Flower", flush=True)
+            elapsed = time.monotonic() - started
+        return print_summary(args, dsn, app, elapsed, crew, site)
     return 0
+
+
+def safe_url(url: str) -> str:
+    """A broker URL without its password."""
+    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1****@", url)
 
 
 def run_until_done(args: argparse.Namespace, crew: Fleet, dsn: str, view: View) -> None:
@@ -166,23 +302,61 @@ def run_until_done(args: argparse.Namespace, crew: Fleet, dsn: str, view: View) 
                 next_kill = time.monotonic() + args.chaos_interval
             for replica in crew.replicas:  # a replica that died on its own comes back
                 if not replica.alive():
+                    crew.failures.append(exit_report(replica) + "; started again")
                     replica.start()
+            stopped = [process for process in crew.others if not process.alive()]
+            if stopped:  # without beat nothing is due; without Flower nothing is shown
+                crew.failures.extend(exit_report(process) for process in stopped)
+                break
             time.sleep(0.5)
+    for failure in crew.failures:
+        print(f"make run: {failure}", file=sys.stderr, flush=True)
 
 
-def print_summary(args: argparse.Namespace, dsn: str, elapsed: float, crew: Fleet) -> int:
+def skip_counts(app: Celery, key: str) -> dict[str, int]:
+    """A Redis hash of skip counters: {worker or tenant: skips}."""
+    return {k.decode(): int(v) for k, v in app.backend.client.hgetall(key).items()}
+
+
+def print_summary(
+    args: argparse.Namespace,
+    dsn: str,
+    app: Celery,
+    elapsed: float,
+    crew: Fleet,
+    site: FlowerSite,
+) -> int:
+    from .pipeline import skip_keys
     from .report import summarize
 
     with psycopg.connect(dsn) as conn:
         summary = summarize(conn)
+    node_key, tenant_key = skip_keys(app.conf.task_default_queue)
+    by_node, by_tenant = skip_counts(app, node_key), skip_counts(app, tenant_key)
+    per_replica = ", ".join(
+        f"{r.name} {sum(n for node, n in by_node.items() if node.startswith(r.name + '@'))}"
+        for r in crew.replicas
+    )
     print(f"\nsummary after {elapsed:.1f} s with {len(crew.replicas)} replicas:")
     for line in summary.lines():
         print(f"  {line}")
+    print(f"  skips              {sum(by_node.values())} (a step found its tenant locked by")
+    print(f"                     another worker process: {per_replica}; {len(by_tenant)} tenants)")
     print(f"  replica kills      {crew.kills}")
-    print(f"  Flower was served at http://127.0.0.1:{args.flower_port}/")
+    if crew.failures:
+        print(f"  failed components  {len(crew.failures)} (expected: 0)")
+        for failure in crew.failures:
+            print(f"    {failure}")
+    else:
+        print(f"  Flower             served at {site.url} for the whole run")
     healthy = summary.overlaps == 0 and summary.duplicate_jobs == 0
-    print("result: OK" if healthy else "result: FAILED (overlaps or duplicate jobs)")
-    return 0 if healthy else 1
+    if not healthy:
+        print("result: FAILED (overlaps or duplicate jobs)")
+    elif crew.failures:
+        print("result: FAILED (a component did not start or exited: see above)")
+    else:
+        print("result: OK")
+    return 0 if healthy and not crew.failures else 1
 
 
 if __name__ == "__main__":

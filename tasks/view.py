@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from .pipeline import SKIPS_KEY
+from .pipeline import skip_keys
 from .report import tenant_rows
 
 if TYPE_CHECKING:
@@ -68,10 +68,8 @@ class View:
             steps = dict(
                 conn.execute("SELECT worker, count(*) FROM step_history GROUP BY worker").fetchall()
             )
-        skips = {
-            key.decode(): int(value)
-            for key, value in self.app.backend.client.hgetall(SKIPS_KEY).items()
-        }
+        by_node, by_tenant = skip_keys(self.app.conf.task_default_queue)
+        skips, tenant_skips = self._counts(by_node), self._counts(by_tenant)
         fewest = min((t.completed_cycles for t in tenants), default=0)
         target = self.args.cycles
         done = sum(
@@ -85,21 +83,33 @@ class View:
                 for t in tenants:
                     stages[t.stage] = stages.get(t.stage, 0) + 1
                 goal = f"/{self.args.tenants * target}" if target else ""
+                per_replica = " ".join(
+                    f"{r.name}:{self._of(r.name, skips)}" for r in self.crew.replicas
+                )
                 print(
                     f"[{time.monotonic() - self.started:6.1f} s] cycles {done}{goal}"
                     f" stages {stages} steps {sum(steps.values())}"
-                    f" skips {sum(skips.values())} kills {self.crew.kills}",
+                    f" skips {sum(skips.values())} ({per_replica}) kills {self.crew.kills}",
                     flush=True,
                 )
         elif self.live is not None:
             self.live.update(
-                Group(self._tenants(tenants), self._replicas(steps, skips), self.progress)
+                Group(
+                    self._tenants(tenants, tenant_skips),
+                    self._replicas(steps, skips),
+                    self.progress,
+                )
             )
         return fewest
 
-    def _tenants(self, tenants: list[Any]) -> Table:
+    def _counts(self, key: str) -> dict[str, int]:
+        hash_ = self.app.backend.client.hgetall(key)
+        return {name.decode(): int(value) for name, value in hash_.items()}
+
+    def _tenants(self, tenants: list[Any], skips: dict[str, int]) -> Table:
         table = Table(title="tenants", expand=False)
-        for column in ("tenant", "stage", "run", "cycles", "model", "held by", "last error"):
+        columns = ("tenant", "stage", "run", "cycles", "model", "held by", "skips", "last error")
+        for column in columns:
             table.add_column(column)
         for t in tenants[:MAX_TENANT_ROWS]:
             holder = self.crew.replica_of(t.holder_pid) or str(t.holder_pid or "")
@@ -110,26 +120,29 @@ class View:
                 str(t.completed_cycles),
                 f"v{t.model_version}",
                 holder,
+                str(skips.get(t.tenant_id, 0)),
                 (t.last_error or "")[:40],
             )
         if len(tenants) > MAX_TENANT_ROWS:
             table.caption = f"and {len(tenants) - MAX_TENANT_ROWS} more"
         return table
 
+    @staticmethod
+    def _of(replica: str, counts: dict[str, int]) -> int:
+        """A replica's count in a hash keyed by node name (replica1@host)."""
+        return sum(n for node, n in counts.items() if node.startswith(replica + "@"))
+
     def _replicas(self, steps: dict[str, int], skips: dict[str, int]) -> Table:
         table = Table(title=f"replicas (chaos kills: {self.crew.kills})")
         for column in ("replica", "pid", "state", "steps run", "skips", "starts"):
             table.add_column(column)
         for replica in self.crew.replicas:
-            node = next(
-                (n for n in steps.keys() | skips.keys() if n.startswith(replica.name + "@")), ""
-            )
             table.add_row(
                 replica.name,
                 str(replica.pid or ""),
                 "up" if replica.alive() else "down",
-                str(steps.get(node, 0)),
-                str(skips.get(node, 0)),
+                str(self._of(replica.name, steps)),
+                str(self._of(replica.name, skips)),
                 str(replica.starts),
             )
         return table

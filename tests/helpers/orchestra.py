@@ -6,10 +6,11 @@ import uuid
 from pathlib import Path
 
 import psycopg
+import redis
 from celery import Celery
 
 from tasks import fleet
-from tasks.pipeline import SKIPS_KEY
+from tasks.pipeline import skip_keys
 from tasks.report import Summary, summarize
 from tasks.run import prepare_database
 from tasks.schema import apply_schema
@@ -23,6 +24,7 @@ FAST = {
     "ORCH_TRAINING_SECONDS": "0.5",
     "ORCH_TRAINING_FAILURE_RATE": "0",
     "ORCH_STEP_SECONDS": "0.02",
+    "ORCH_DOWNLOAD_SECONDS": "0.2",
 }
 
 
@@ -54,7 +56,7 @@ class Orchestra:
                 task_default_queue=self.queue,
                 pglock_dsn=self.dsn,
             )
-            app.backend.client.delete(SKIPS_KEY)
+            app.backend.client.delete(*skip_keys(self.queue))
         self.processes: list[fleet.Process] = []
         apply_schema(self.dsn)
 
@@ -99,5 +101,6 @@ class Orchestra:
     def close(self) -> None:
         for process in self.processes:
             process.stop()
+        redis.Redis.from_url(self.env["ORCH_RESULT_BACKEND"]).delete(*skip_keys(self.queue))
         with psycopg.connect(self.base_dsn, autocommit=True) as conn:
             conn.execute(f"DROP SCHEMA IF EXISTS {self.schema} CASCADE")

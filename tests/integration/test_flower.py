@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from celery import Celery
 
 from pglock_celery import LockLost, try_lock
 from tests.apps import core
+from tests.conftest import IN_CI
 from tests.helpers.history import read_history
 from tests.helpers.services import free_port, wait_until
 from tests.helpers.workers import ROOT, Worker
@@ -138,3 +140,120 @@ def test_flower_shows_a_lost_lock_as_a_failure_naming_it(
         )
 
     wait_until(loss_counted, 30, "Flower's metrics to count the loss", 0.2)
+
+
+def chromium() -> Any:
+    """Headless Debian Chromium through its chromedriver (no browser download)."""
+    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if browser is None or driver is None:
+        message = "Chromium and chromium-driver (Debian packages) are not installed"
+        if IN_CI:
+            pytest.fail(message + ": `make` installs them when run as root")
+        pytest.skip(message)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu",
+                     "--disable-dev-shm-usage", "--window-size=1500,620"):  # fmt: skip
+        options.add_argument(argument)
+    return webdriver.Chrome(options=options, service=Service(executable_path=driver))
+
+
+def test_flowers_tasks_page_in_chromium_shows_the_skip_and_the_lost_lock(
+    flower: str,
+    events_worker: Worker,
+    queue: str,
+    history: str,
+    pg_dsn: str,
+    run_id: str,
+    log_dir: Path,
+) -> None:
+    """What an operator sees: the skip as SUCCESS with its result, the loss as LockLost."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    busy, lost = f"{run_id}-busy", f"{run_id}-lost"
+    with try_lock(f"tenant:{busy}", dsn=pg_dsn) as held:
+        assert held.acquired
+        skipped = core.step.apply_async((busy, history), queue=queue + SUFFIX)
+        assert skipped.get(timeout=30)["skipped"] is True
+    failed = core.chaos_step.apply_async((lost, history, 30), queue=queue + SUFFIX)
+    run = wait_until(lambda: read_history(pg_dsn, history), 30, "the step to start")[0]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", (run.session_pid,))
+    with pytest.raises(LockLost):
+        failed.get(timeout=30)
+
+    browser = chromium()
+    try:
+        # Flower asks for basic auth; the header goes with the page and its XHR calls.
+        token = base64.b64encode(AUTH.encode()).decode()
+        browser.execute_cdp_cmd("Network.enable", {})
+        browser.execute_cdp_cmd(
+            "Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Basic {token}"}}
+        )
+
+        def rows() -> dict[str, str] | None:
+            """The task table's rows by task id, once both calls are in it."""
+            browser.get(f"{flower}/tasks")
+            search = WebDriverWait(browser, 20).until(
+                lambda b: b.find_element(By.CSS_SELECTOR, "input[type=search]")
+            )
+            search.send_keys(run_id)
+            try:
+                WebDriverWait(browser, 5).until(
+                    lambda b: (
+                        {skipped.id, failed.id}
+                        <= {
+                            task_id
+                            for row in b.find_elements(By.CSS_SELECTOR, "table tbody tr")
+                            for task_id in (skipped.id, failed.id)
+                            if task_id in row.text
+                        }
+                    )
+                )
+            except Exception:
+                return None
+            found = browser.find_elements(By.CSS_SELECTOR, "table tbody tr")
+            return {
+                task_id: row.text
+                for row in found
+                for task_id in (skipped.id, failed.id)
+                if task_id in row.text
+            }
+
+        seen = wait_until(rows, 60, "Flower's tasks page to list both calls", 1)
+        shots = {"tasks": log_dir / "flower-tasks.png"}
+        browser.save_screenshot(str(shots["tasks"]))
+        # Each task's own page shows its result, or its exception.
+        pages = {}
+        browser.set_window_size(1400, 1100)
+        for name, task_id in (("skip", skipped.id), ("lost", failed.id)):
+            browser.get(f"{flower}/task/{task_id}")
+            pages[name] = WebDriverWait(browser, 20).until(
+                lambda b, task_id=task_id: (
+                    b.find_element(By.TAG_NAME, "body").text
+                    if task_id in b.find_element(By.TAG_NAME, "body").text
+                    else None
+                )
+            )
+            # The screenshot shows the result (or exception) row and what follows it.
+            label = browser.find_elements(
+                By.XPATH,
+                "//*[normalize-space(text())='Result' or normalize-space(text())='Exception']",
+            )
+            if label:
+                browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", label[0])
+            shots[name] = log_dir / f"flower-{name}.png"
+            browser.save_screenshot(str(shots[name]))
+        if os.environ.get("PGLOCK_DOCS_SCREENSHOTS") == "1":
+            for shot in shots.values():
+                shutil.copy(shot, ROOT / "docs" / shot.name)
+    finally:
+        browser.quit()
+    print(f"\nlist: {seen}\nskip page: {pages['skip']}\nlost page: {pages['lost']}\n{shots}")
+    assert "SUCCESS" in seen[skipped.id] and "FAILURE" in seen[failed.id]
+    assert f"{{'skipped': True, 'lock': 'tenant:{busy}', 'holder':" in pages["skip"]
+    assert "LockLost" in pages["lost"] and f"lock tenant:{lost} was lost" in pages["lost"]

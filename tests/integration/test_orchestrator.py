@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import itertools
-import os
-import re
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
 
 from pglock_celery.inspect import list_holders
@@ -17,7 +13,7 @@ from tasks.celery_app import app as tasks_app
 from tasks.pipeline import advance_pipeline
 from tasks.tenants import TenantError, onboard_tenant, seed_tenants
 from tests.helpers.orchestra import Orchestra
-from tests.helpers.services import free_port, wait_until
+from tests.helpers.services import wait_until
 
 Factory = Callable[..., Orchestra]
 
@@ -171,27 +167,3 @@ def test_corrupted_pipeline_row_stops_that_tenant_and_the_others_go_on(
         ).fetchone()  # type: ignore[misc]
     assert stage == "stopped"
     assert "unknown stage 'bogus'" in error
-
-
-def test_make_run_exits_zero_with_a_clean_summary(pg_dsn: str, broker_url: str) -> None:
-    root = Path(__file__).resolve().parents[2]
-    schema = f"orch_run_{os.getpid()}"
-    env = {**os.environ, "PGLOCK_DSN": pg_dsn, "ORCH_BROKER_URL": broker_url}
-    args = (
-        f"--tenants 4 --duration 60 --cycles 1 --fast --plain --schema {schema}"
-        f" --flower-port {free_port()}"
-    )
-    try:
-        done = subprocess.run(
-            ["make", "--no-print-directory", "run", f"ARGS={args}"],
-            cwd=root, env=env, capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
-    finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-    print(done.stdout[-2000:])
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert re.search(r"overlapping steps\s+0 \(expected: 0\)", done.stdout)
-    assert "result: OK" in done.stdout
-    assert re.search(r"completed cycles\s+\d+ \(fewest for a tenant: [1-9]", done.stdout)
-    assert "Flower was served at http://127.0.0.1:" in done.stdout

@@ -1,0 +1,131 @@
+"""`make run` as a user runs it: contention shows as skips, and a broken start fails the run."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+
+from tasks import fleet
+from tasks.celery_app import app as tasks_app
+from tasks.pipeline import skip_keys
+from tasks.run import Fleet, FlowerSite, wait_until_up
+from tests.helpers.rabbitmq import delete_queues, rabbitmq_for_tests
+from tests.helpers.services import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def schema(pg_dsn: str, broker_url: str) -> Iterator[str]:
+    """A schema (and queue) of the test's own, dropped afterwards with its skip counters."""
+    name = f"orch_run_{uuid.uuid4().hex[:8]}"
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
+    redis.Redis.from_url(broker_url).delete(*skip_keys(f"pipelines-{name}"))
+
+
+def make_run(args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["make", "--no-print-directory", "run", f"ARGS={args}"],
+        cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def figure(name: str, stdout: str) -> int:
+    """A number of the summary: `skips   12 (...)` -> 12."""
+    found = re.search(rf"^  {name}\s+(\d+)", stdout, re.MULTILINE)
+    assert found, f"no {name!r} in the summary:\n{stdout[-3000:]}"
+    return int(found[1])
+
+
+def assert_healthy_with_skips(done: subprocess.CompletedProcess[str]) -> None:
+    print(done.stdout[-1500:])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert figure("skips", done.stdout) > 0, "no step ever found its tenant locked"
+    assert figure("overlapping steps", done.stdout) == 0
+    assert figure("duplicate jobs", done.stdout) == 0
+    assert figure("repeated submits", done.stdout) == 0
+    assert "result: OK" in done.stdout
+    # Flower's address and credentials come once it serves, before the first status line.
+    flower = re.search(
+        r"^Flower: (http://127\.0\.0\.1:\d+/) \(user (\S+), password (\S+)\)", done.stdout, re.M
+    )
+    assert flower, done.stdout[:2000]
+    assert done.stdout.index("Flower: ") < done.stdout.index("] cycles ")
+
+
+def test_a_fast_30_second_run_skips_and_never_overlaps(
+    pg_dsn: str, broker_url: str, schema: str
+) -> None:
+    """The README's `make run ARGS="--fast --duration 30 --plain"`, on the tests' services."""
+    args = f"--fast --duration 30 --plain --schema {schema} --flower-port {free_port()}"
+    done = make_run(args, {"PGLOCK_DSN": pg_dsn, "ORCH_BROKER_URL": broker_url}, 180)
+    assert_healthy_with_skips(done)
+    # Skips per replica: every replica's count is in the summary.
+    assert re.search(r"replica1 \d+, replica2 \d+, replica3 \d+", done.stdout)
+
+
+def test_a_run_with_flowers_port_taken_fails_naming_the_port(
+    pg_dsn: str, broker_url: str, schema: str
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = f"--fast --duration 30 --plain --schema {schema} --flower-port {port}"
+        done = make_run(args, {"PGLOCK_DSN": pg_dsn, "ORCH_BROKER_URL": broker_url}, 60)
+    print(done.stderr)
+    assert done.returncode != 0
+    assert f"port {port}" in done.stderr and "--flower-port" in done.stderr
+    assert "result: OK" not in done.stdout
+
+
+def test_a_component_that_exits_at_start_is_reported(tmp_path: Path) -> None:
+    """A beat that dies on start and a Flower that never serves: both named, with the cause."""
+    env = {"PGLOCK_DSN": "unused"}
+    dying = fleet.Process(
+        "beat1", [sys.executable, "-c", "print('schedule file is locked'); raise SystemExit(3)"],
+        env, tmp_path,
+    )  # fmt: skip
+    silent = fleet.Process(
+        "flower", [sys.executable, "-c", "import time; time.sleep(60)"], env, tmp_path
+    )
+    crew = Fleet(replicas=[], beats=[dying], flower=silent)
+    for process in (dying, silent):
+        process.start()
+    try:
+        failures = wait_until_up(
+            crew, tasks_app, FlowerSite(f"http://127.0.0.1:{free_port()}/", "u", "p")
+        )
+    finally:
+        crew.stop()
+    assert len(failures) == 1, failures
+    assert failures[0].startswith("beat1 exited with status 3: schedule file is locked")
+
+
+def test_make_run_on_rabbitmq(
+    pg_dsn: str, broker_url: str, schema: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`--broker amqp://...`: steps go through RabbitMQ; results and counters stay on Redis."""
+    with rabbitmq_for_tests(tmp_path_factory.mktemp("rabbitmq")) as amqp:
+        args = (
+            f"--fast --duration 20 --plain --schema {schema} --flower-port {free_port()}"
+            f" --broker {amqp}"
+        )
+        try:
+            done = make_run(args, {"PGLOCK_DSN": pg_dsn, "ORCH_BROKER_URL": broker_url}, 180)
+        finally:
+            delete_queues(amqp, f"pipelines-{schema}")
+    assert_healthy_with_skips(done)
+    assert re.search(r"broker amqp://guest:\*\*\*\*@", done.stdout), done.stdout[:500]
