@@ -57,10 +57,13 @@ MAX_POLL = 0.5
 
 
 def shared_name(prefix: str) -> str:
-    """The application_name of a shared session: it holds many locks, it names none."""
-    from .connection import FIELD_SEPARATOR, idle_name
+    """The application_name of a shared session: its process and host, no lock name.
 
-    return idle_name(prefix).replace(f"-idle{FIELD_SEPARATOR}", f"-shared{FIELD_SEPARATOR}")
+    It holds many locks, so it names none; ``locks`` still shows its pid and host.
+    """
+    from .connection import FIELD_SEPARATOR, application_name
+
+    return application_name(f"{prefix}-shared", "", None).rstrip(FIELD_SEPARATOR) + FIELD_SEPARATOR
 
 
 def acquire(

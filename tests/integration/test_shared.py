@@ -40,8 +40,8 @@ def lock(dsn: str, name: str, **config: Any) -> AdvisoryLock:
 def shared_backends(dsn: str, worker_pid: int) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
-            (f"pglock-shared|{worker_pid}",),
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE %s",
+            (f"pglock-shared|{worker_pid}|%",),
         ).fetchone()
     return int(row[0]) if row else 0
 
