@@ -232,10 +232,15 @@ def _verify_session(
             "would lose session locks. Connect to Postgres directly, or set "
             'pglock_pooler = "session" if it is a session-mode pooler'
         )
+    apply_settings(conn, config, token)
+    return backend_pid, True
+
+
+def apply_settings(conn: psycopg.Connection[Any], config: PglockConfig, token: str) -> None:
+    """Set a lock session's settings and token with set_config (behind a session pooler)."""
     settings = {**_server_settings(config), SESSION_TOKEN_SETTING: token}
     calls = ", ".join("set_config(%s, %s, false)" for _ in settings)
     params: list[object] = []
     for name, value in settings.items():
         params += [name, str(value)]
     conn.execute(f"SELECT {calls}", params)
-    return backend_pid, True

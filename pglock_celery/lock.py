@@ -439,12 +439,14 @@ class AdvisoryLock:
             self._finalizer = None
         if session is None:
             return
+        if session.pid != os.getpid():
+            if hold is not None:  # a forked child: the parent's session, its guard too
+                hold.end()
+            return
         if hold is not None:
             with session.guard:  # no handle is given out after this
                 hold.end()
             scheduler.unwatch(hold)
-        if session.pid != os.getpid():
-            return
         if session.shared:
             if hold is not None:
                 shared.release(session, hold, self.label)

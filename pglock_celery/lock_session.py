@@ -13,10 +13,10 @@ monitor.
 
 from __future__ import annotations
 
+import _socket
 import contextlib
 import functools
 import os
-import socket
 import sys
 import threading
 from collections.abc import Callable, Generator, Sequence
@@ -147,6 +147,8 @@ class LockSession:
         #: Strategy ``shared``: the holds on this session, by key.
         self.holds: dict[int, Any] = {}
         self.shared = False
+        #: A shared session found failed (its holds are marked lost once).
+        self.failed = False
         #: Called once the session is found failed (shared: every lock on it is lost).
         self.on_failure: Callable[[str], None] | None = None
 
@@ -193,11 +195,12 @@ class LockSession:
         if self.closed:
             return False
         try:
-            sock = socket.socket(fileno=self.pgconn.socket)
+            # The C socket: gevent's and eventlet's would wait for data instead.
+            sock = _socket.socket(fileno=self.pgconn.socket)
         except (psycopg.Error, OSError):
             return False
         try:
-            pending = sock.recv(_PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            pending = sock.recv(_PEEK_BYTES, _socket.MSG_PEEK | _socket.MSG_DONTWAIT)
         except BlockingIOError:
             return True  # nothing arrived: the usual case
         except OSError:
@@ -246,9 +249,25 @@ class LockSession:
         self._used.clear()
 
     def _run(self, send: Callable[[], None]) -> pq.abc.PGresult:
-        send()
-        results: list[pq.abc.PGresult] = self.conn.wait(generators.execute(self.pgconn))
+        try:
+            send()
+            results: list[pq.abc.PGresult] = self.conn.wait(generators.execute(self.pgconn))
+        except psycopg.Error:
+            raise
+        except BaseException:
+            # Interrupted (a time limit, gevent.Timeout) with a result nobody will
+            # read, and a lock it may or may not have taken: the session cannot be
+            # trusted again. Closed, it holds nothing; its holders are told.
+            self.fail("a statement of the library was interrupted")
+            raise
         return results[-1]
+
+    def fail(self, reason: str) -> None:
+        """Close a session that cannot be trusted, and tell whoever relies on it."""
+        if self.pid == os.getpid():
+            self.conn.close()
+        if self.on_failure is not None:
+            self.on_failure(f"the lock session failed: {reason}")
 
     def _checked(self, result: pq.abc.PGresult) -> pq.abc.PGresult:
         if result.status != pq.ExecStatus.TUPLES_OK:

@@ -195,6 +195,8 @@ class _MonitorScheduler:
 
     #: Idle ticks before the thread sleeps until the next lock.
     IDLE_TICKS = 20
+    #: The slowest tick, in seconds, whatever the check intervals.
+    MAX_TICK = 0.5
 
     def __init__(self) -> None:
         self._reset()
@@ -207,13 +209,17 @@ class _MonitorScheduler:
         self._held: dict[int, Hold] = {}
         self._running = False
         self._asleep = False
-        self._tick = 0.5
+        self._tick = self.MAX_TICK
 
     def watch(self, hold: Hold) -> None:
         with self._cond:
             self._held[id(hold)] = hold
-            self._tick = hold.config.check_interval / 4
-            self._wake()
+            # The shortest interval of all sets the pace. The thread is woken only when
+            # the pace quickens or it sleeps: no thread switch for most locks.
+            tick = hold.config.check_interval / 4
+            if tick < self._tick or self._asleep or not self._running:
+                self._tick = min(self._tick, tick)
+                self._wake()
 
     def wake(self) -> None:
         """Have the thread free what dropped locks left (see ``abandoned``)."""
@@ -224,7 +230,7 @@ class _MonitorScheduler:
         if not self._running:
             self._running, self._asleep = True, False
             threading.Thread(target=self._run, name="pglock-monitors", daemon=True).start()
-        elif self._asleep:
+        else:
             self._cond.notify()
 
     def unwatch(self, hold: Hold) -> None:
@@ -251,6 +257,8 @@ class _MonitorScheduler:
                 ]
                 for hold in due:
                     del self._held[id(hold)]
+                if not self._held:
+                    self._tick = self.MAX_TICK
                 tick = self._tick
             free_abandoned()
             for hold in due:
@@ -258,7 +266,8 @@ class _MonitorScheduler:
                     threading.Thread(
                         target=hold.monitor, name=f"pglock-monitor {hold.label}", daemon=True
                     ).start()
-            time.sleep(tick)
+            with cond:
+                cond.wait(tick)  # a new lock with a shorter interval wakes it
 
 
 scheduler = _MonitorScheduler()

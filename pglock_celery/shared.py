@@ -49,8 +49,8 @@ _UNLOCK = (
 )
 # After a holder's transaction: its session-level state goes, the locks stay.
 _RESET = (
-    "RESET ALL; DEALLOCATE ALL; CLOSE ALL; UNLISTEN *; DISCARD TEMP; DISCARD SEQUENCES;"
-    " SELECT set_config('pglock.held', '{held}', false)"
+    "SET SESSION AUTHORIZATION DEFAULT; RESET ALL; DEALLOCATE ALL; CLOSE ALL; UNLISTEN *;"
+    " DISCARD TEMP; DISCARD SEQUENCES; SELECT set_config('pglock.held', '{held}', false)"
 )
 #: Longest pause between two tries of a waiting shared lock, in seconds.
 MAX_POLL = 0.5
@@ -89,6 +89,10 @@ def acquire(
         if sessions.claim(dsn, key):
             try:
                 session = sessions.shared_session(config, open_one)
+                if not session.holds and not session.alive():
+                    # Idle and dead (a restart, a DBA): it held nothing; take another.
+                    fail(session, "the idle lock session was ended by the server")
+                    session = sessions.shared_session(config, open_one)
                 if _try(session, key, label):
                     hold = make_hold(session)
                     with sessions.locked():
@@ -130,7 +134,14 @@ def release(session: LockSession, hold: Hold, label: str) -> None:
     """Unlock ``hold`` on its shared session; raise LockLost if it was gone."""
     dsn, key = session.dsn, hold.key
     try:
-        unlocked = session.query(*_UNLOCK, (str(key).encode(),)).get_value(0, 0)
+        with session.guard:
+            if hold.handle is not None:
+                # Released inside its own transaction: that transaction must not
+                # commit once the lock is free.
+                session.revoke(f"lock {label} was released: this connection is closed")
+                hold.handle = None
+                session.conn.rollback()
+            unlocked = session.query(*_UNLOCK, (str(key).encode(),)).get_value(0, 0)
     except psycopg.Error as exc:
         fail(session, f"the lock session failed: {one_line(exc)}")
         raise LockLost(
@@ -148,33 +159,55 @@ def release(session: LockSession, hold: Hold, label: str) -> None:
 
 
 def fail(session: LockSession, reason: str) -> None:
-    """A shared session failed: every lock on it is lost, and it leaves the pool."""
-    sessions.drop_shared(session)
+    """A shared session failed: every lock on it is lost, and it leaves the pool. Once."""
     with sessions.locked():
+        if session.failed:
+            return
+        session.failed = True
         holds = list(session.holds.values())
+    sessions.drop_shared(session)
     for hold in holds:
         hold.mark_lost(reason)
 
 
 @contextlib.contextmanager
 def transaction(hold: Hold, label: str) -> Iterator[psycopg.Connection[Any]]:
-    """A connection in a transaction on ``hold``'s shared session, which it has to itself."""
+    """A connection in a transaction on ``hold``'s shared session, which it has to itself.
+
+    Nested, it is a savepoint of the same transaction, as psycopg's own.
+    """
     session = hold.session
     with session.guard:
+        if hold.handle is not None:
+            with hold.handle.transaction():
+                yield hold.handle
+            return
         reason = hold.check(wait=True)
         if reason is not None:
             hold.mark_lost(reason)
             raise LockLost(f"lock {label} was lost: {reason}")
-        handle = session.handle()
+        hold.handle = session.handle()
         try:
-            with handle.transaction():
-                yield handle
+            with hold.handle.transaction():
+                yield hold.handle
         finally:
+            hold.handle = None
             session.revoke(f"the transaction of lock {label} ended: this connection is closed")
-            with sessions.locked():
-                held = "," + "".join(f"{key}," for key in session.holds)
-            try:
-                session.conn.execute(_RESET.format(held=held))
-                session.forget_prepared()
-            except psycopg.Error as exc:
-                fail(session, f"the lock session failed: {one_line(exc)}")
+            _reset(session, hold)
+
+
+def _reset(session: LockSession, hold: Hold) -> None:
+    """Take back from the session what a holder's transaction left; the locks stay."""
+    if session.closed:
+        return
+    with sessions.locked():
+        held = "," + "".join(f"{key}," for key in session.holds)
+    try:
+        session.conn.execute(_RESET.format(held=held))
+        session.forget_prepared()
+        if session.pooled:  # its settings came from set_config, which RESET ALL undid
+            from .connection import apply_settings
+
+            apply_settings(session.conn, hold.config, session.token)
+    except psycopg.Error as exc:
+        fail(session, f"the lock session failed: {one_line(exc)}")

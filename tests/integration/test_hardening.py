@@ -535,3 +535,27 @@ def test_a_session_serves_many_holders_that_use_their_handles(pg_dsn: str, run_i
                 held.connection.execute("SELECT %s::int", (round_,))
             backends.add(held.connection.info.backend_pid)
     assert len(backends) == 1
+
+
+GREEN_TRANSACTION = """
+from gevent import monkey
+monkey.patch_all()
+import sys
+from pglock_celery.config import PglockConfig
+from pglock_celery.lock import AdvisoryLock
+held = AdvisoryLock("g:" + sys.argv[2], config=PglockConfig(dsn=sys.argv[1], check_interval=0.05))
+with held, held.transaction() as conn:
+    conn.execute("SELECT 1")
+    held.sleep(0.5)  # the monitor peeks at the socket meanwhile, many times
+    conn.execute("SELECT 1")
+print("done", flush=True)
+"""
+
+
+def test_under_gevent_the_check_inside_a_transaction_never_blocks(pg_dsn: str, run_id: str) -> None:
+    """gevent's socket would wait for data where the check only peeks: the body would hang."""
+    done = subprocess.run(
+        [sys.executable, "-c", GREEN_TRANSACTION, pg_dsn, run_id],
+        capture_output=True, text=True, timeout=30, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
