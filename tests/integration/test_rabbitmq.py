@@ -40,9 +40,12 @@ def amqp_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def _use_broker(app: Celery, url: str) -> None:
-    """Point the app's producers and control at ``url`` (connection pools made anew)."""
-    if app._pool is not None:
-        app._pool.force_close_all()
+    """Point the app's producers and control at ``url``.
+
+    The pools are kombu's, one per URL for the whole process: they are left open
+    (closing the Redis one would break every later test that publishes), only the
+    app's references to them go.
+    """
     app._pool = None
     app.amqp._producer_pool = None
     app.conf.broker_url = url
