@@ -129,7 +129,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     dsn = _dsn(args)
     with connect(dsn):
         pass  # unreachable, refused, bad password: one line and exit 2
-    findings = run_checks(dsn, lock_sessions=args.lock_sessions)
+    findings = run_checks(dsn, lock_sessions=args.lock_sessions, locks=args.locks)
     if args.json:
         print(json.dumps([f.as_dict() for f in findings], indent=2))
     else:
@@ -199,6 +199,12 @@ def build_parser(prog: str = "pglock-celery") -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="lock sessions the fleet may open at once (worker processes x concurrency)",
+    )
+    doctor.add_argument(
+        "--locks",
+        type=int,
+        default=0,
+        help="advisory locks the fleet may hold at once (its running locked calls at peak)",
     )
     doctor.set_defaults(run=cmd_doctor)
 

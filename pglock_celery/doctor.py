@@ -2,10 +2,14 @@
 
 Each check yields a Finding: ``ok``, ``warn`` (worth knowing, not unsafe for
 pglock's own sessions) or ``fail`` (locks are unsafe or unusable: fix first).
+The doctor may read ``pg_locks`` (a copy of the server's whole lock table); no
+per-lock path does.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
@@ -20,6 +24,8 @@ MIN_SERVER_VERSION = 140000
 #: Server keepalives slower than this (seconds) leave other sessions' locks
 #: stranded for long after a partition.
 KEEPALIVE_BOUND_WARN = 300
+#: Share of the server's lock table past which the capacity check warns.
+CAPACITY_WARN = 0.8
 
 
 @dataclass(frozen=True)
@@ -195,6 +201,65 @@ def check_connections(conn: psycopg.Connection, lock_sessions: int) -> Iterator[
         yield Finding("connections", "ok", figures)
 
 
+# Entries of the shared lock table in use (fast-path locks live in each backend, not
+# there; every advisory lock takes an entry), the advisory ones, and those held by
+# pglock's sessions (application_name "<prefix>|..." or "<prefix>-<state>|..."); not
+# the locks of this query itself.
+_LOCK_TABLE = """
+SELECT current_setting('max_locks_per_transaction')::int,
+       current_setting('max_connections')::int,
+       current_setting('max_prepared_transactions')::int,
+       count(*) FILTER (WHERE NOT l.fastpath),
+       count(*) FILTER (WHERE l.locktype = 'advisory'),
+       count(*) FILTER (WHERE l.locktype = 'advisory' AND a.application_name ~ %s)
+FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.pid IS DISTINCT FROM pg_backend_pid()
+"""
+
+
+_PAST = (
+    "past the lock table's size; Postgres may find spare shared memory for some more, "
+    "then new locks (advisory or any other, in every database) fail with 'out of shared memory'"
+)
+
+
+def check_capacity(conn: psycopg.Connection, locks: int, prefix: str) -> Iterator[Finding]:
+    """How many advisory locks the server can hold, how many are held, and the fleet's need.
+
+    ``locks`` is the most locks the fleet holds at once (0: unknown). Locks held
+    now by pglock sessions (``prefix``) are counted in it, not on top of it.
+    """
+    pattern = f"^{re.escape(prefix)}(-[^|]*)?[|]"
+    row = conn.execute(_LOCK_TABLE, (pattern,)).fetchone()
+    assert row is not None
+    per, connections, prepared, in_use, advisory, ours = (int(value) for value in row)
+    capacity = per * (connections + prepared)
+    need = in_use - ours + locks
+    figures = (
+        f"room for {capacity:,} locks (max_locks_per_transaction {per} x (max_connections "
+        f"{connections} + max_prepared_transactions {prepared})), {in_use:,} in use "
+        f"({advisory:,} advisory, {ours:,} of them by pglock sessions)"
+    )
+    if locks:
+        figures += f"; with the fleet's {locks:,} that makes {need:,}"
+    wanted = math.ceil(max(need, in_use) / CAPACITY_WARN / (connections + prepared) / 64) * 64
+    fix = (
+        f"ALTER SYSTEM SET max_locks_per_transaction = {max(wanted, 64)} and restart Postgres "
+        "(the lock table is sized at start), or fewer locks held at once"
+    )
+    # Locks held now may be a passing peak: only the fleet's own stated need fails.
+    if locks and need > capacity:
+        yield Finding("capacity", "fail", f"{figures}: {_PAST}", fix)
+    elif max(need, in_use) > capacity:
+        yield Finding("capacity", "warn", f"{figures}: {_PAST}", fix)
+    elif max(need, in_use) > CAPACITY_WARN * capacity:
+        yield Finding(
+            "capacity", "warn", f"{figures}: over {CAPACITY_WARN:.0%} of the lock table", fix
+        )
+    else:
+        yield Finding("capacity", "ok", figures)
+
+
 def check_privileges(conn: psycopg.Connection) -> Iterator[Finding]:
     can_lock = _one(
         conn, "SELECT has_function_privilege('pg_try_advisory_lock(bigint)', 'EXECUTE')"
@@ -249,8 +314,13 @@ def check_guards(conn: psycopg.Connection) -> Iterator[Finding]:
             yield Finding("guarded table", "ok", f"{table.table}: lock {table.lock_name}")
 
 
-def run_checks(dsn: str, *, lock_sessions: int = 0) -> list[Finding]:
-    """Run every check against ``dsn`` and return the findings in order."""
+def run_checks(dsn: str, *, lock_sessions: int = 0, locks: int = 0) -> list[Finding]:
+    """Run every check against ``dsn`` and return the findings in order.
+
+    ``lock_sessions`` and ``locks``: the most lock sessions and locks the fleet
+    holds at once (0: unknown, not checked against the server's limits).
+    """
+    prefix = PglockConfig().application_name
     findings = list(check_lock_session(dsn))
     with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
         checks: list[Callable[[], Iterator[Finding]]] = [
@@ -260,6 +330,7 @@ def run_checks(dsn: str, *, lock_sessions: int = 0) -> list[Finding]:
             lambda: check_idle_timeouts(conn),
             lambda: check_keepalives(conn),
             lambda: check_connections(conn, lock_sessions),
+            lambda: check_capacity(conn, locks, prefix),
             lambda: check_privileges(conn),
             lambda: check_guards(conn),
         ]
