@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import re
 import statistics
 import sys
 import tempfile
@@ -27,10 +26,11 @@ from pathlib import Path
 
 import psycopg
 
+from bench.report import write_section
+from bench.server import bench_postgres
 from pglock_celery import install_guard, lock_key
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
-from tasks.services import postgres_service
 
 ROOT = Path(__file__).resolve().parents[1]
 FOREIGN_LOCKS = 10_000
@@ -65,9 +65,12 @@ class ForeignLocks:
         self.sessions = [psycopg.connect(dsn, autocommit=True) for _ in range(FOREIGN_SESSIONS)]
 
     def hold(self, count: int) -> None:
+        """Hold ``count`` locks in all, instead of those held before."""
         per = count // FOREIGN_SESSIONS
-        for n, conn in enumerate(self.sessions):
+        # Every session lets go first: the ranges of two counts overlap across sessions.
+        for conn in self.sessions:
             conn.execute("SELECT pg_advisory_unlock_all()")
+        for n, conn in enumerate(self.sessions):
             if per:
                 conn.execute(
                     "SELECT count(pg_advisory_lock(k)) FROM generate_series(%s::int8, %s::int8) k",
@@ -214,32 +217,16 @@ def render(figures: GuardFigures) -> list[str]:
     return lines
 
 
-def write_section(out: Path, lines: list[str], note: str) -> None:
-    """Put the section into ``out``, replacing an earlier one, before the chart."""
-    text = out.read_text() if out.exists() else "# Benchmarks\n\n"
-    section = "\n".join([*lines[:1], "", note, *lines[1:]]) + "\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |^!\[chart\]|\Z)", re.M | re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text)
-    elif "![chart]" in text:
-        text = text.replace("![chart]", section + "![chart]", 1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    out.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.guard", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--dsn", help="the database (default: PGLOCK_BENCH_DSN, else local)")
+    parser.add_argument("--dsn", help="the database (default: PGLOCK_BENCH_DSN, else its own)")
     parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
         dsn = args.dsn or stack.enter_context(
-            postgres_service(
-                Path(tempfile.mkdtemp(prefix="pglock-bench-")) / "pg", "PGLOCK_BENCH_DSN"
-            )
+            bench_postgres(Path(tempfile.mkdtemp(prefix="pglock-bench-")) / "pg")
         )
         figures = measure(dsn)
     lines = render(figures)
