@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 import uuid
 from typing import Any
 
@@ -67,3 +69,30 @@ def hold(tenant_id: int, seconds: float) -> None:
     import time
 
     time.sleep(seconds)
+
+
+# The scale section's holders: each takes its lock, counts itself in Redis, and keeps
+# the lock until the benchmark lets every holder go at once by creating a flag file.
+# One watcher per process looks for the file, so 1,000 greenlets do not poll it.
+_released = threading.Event()
+_watcher = threading.Lock()
+_watching: list[str] = []
+_counter: list[redis.Redis] = []
+
+
+def _watch(flag: str) -> None:
+    while not os.path.exists(flag):
+        time.sleep(0.05)
+    _released.set()
+
+
+@app.task(base=TenantLockedTask, lock_name="bench-hold:{tenant_id}", ignore_result=True)
+def hold_until(tenant_id: int, flag: str, counter: str, limit: float = 180.0) -> None:
+    """Hold the lock until ``flag`` exists; count the holders in Redis key ``counter``."""
+    with _watcher:
+        if not _watching:
+            _watching.append(flag)
+            _counter.append(redis.Redis.from_url(BROKER))
+            threading.Thread(target=_watch, args=(flag,), daemon=True).start()
+    _counter[0].incr(counter)
+    _released.wait(limit)
