@@ -68,7 +68,9 @@ integration: $(STAMP)
 chaos: $(STAMP)
 	$(PY) -m pytest tests/chaos
 
-# Side-by-side benchmarks: writes BENCHMARKS.md and bench/chart.png (about 5 minutes).
+# Side-by-side and scale benchmarks on a Postgres of their own: writes BENCHMARKS.md,
+# bench/chart.png and bench/scale.png (about 5 minutes). Some sections alone:
+# make bench ARGS="--sections 1,7" (python -m bench.scale and bench.guard run 7 and 6 alone).
 bench: $(STAMP)
 	$(PY) -m bench.run $(ARGS)
 

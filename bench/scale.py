@@ -77,7 +77,7 @@ HOLD_TIMEOUT = 120.0
 
 CLIENTS = (1, 4, 16)
 SPIN_SECONDS = 1
-SPIN_ROUNDS = 3
+SPIN_ROUNDS = 2
 PGBENCH = "pgbench: the two statements, prepared, from C"
 REUSE_CYCLES = "pglock reuse (a process per client)"
 SHARED_CYCLES = "pglock shared (a thread per client, one process)"
