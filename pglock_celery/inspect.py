@@ -34,19 +34,16 @@ HOLDER_OF_KEY = _HELD_LOCKS + " AND l.classid = %s::int8::oid AND l.objid = %s::
 # connection.application_name): the holder of a name is found in pg_stat_activity,
 # whose size is the number of sessions, never in pg_locks, whose size is the number
 # of locks. A name cut at 63 bytes matches by the prefix that survived.
-_NAMED = """
-SELECT pid, application_name, host(client_addr), backend_start, state_change, state
-FROM (
-  SELECT *, substring(application_name from '^(?:[^|]*[|]){4}(.*)$') AS tail
-  FROM pg_stat_activity
-  WHERE datname = current_database() AND pid <> pg_backend_pid()
-) AS a
-WHERE tail = %(name)s
-   OR (octet_length(application_name) >= %(cut)s AND tail <> ''
-       AND starts_with(%(name)s, tail))
-ORDER BY tail = %(name)s DESC
-LIMIT 1
-"""
+# Bytes for libpq: run on the lock session, prepared there once it is used again.
+NAMED_HOLDER = (
+    b"pglock_holder",
+    b"SELECT pid, application_name, host(client_addr), to_json(backend_start) #>> '{}',"
+    b" to_json(state_change) #>> '{}', state FROM ("
+    b" SELECT *, substring(application_name from '^(?:[^|]*[|]){4}(.*)$') AS tail"
+    b" FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    b") AS a WHERE tail = $1 OR (octet_length(application_name) >= $2::int AND tail <> ''"
+    b" AND starts_with($1, tail)) ORDER BY tail = $1 DESC LIMIT 1",
+)
 ALL_HELD = _HELD_LOCKS + " ORDER BY a.backend_start, a.pid"
 
 
@@ -138,18 +135,20 @@ def find_holder(conn: psycopg.Connection, key: int) -> Holder | None:
     return holder_from_row(row) if row is not None else None
 
 
-def find_named_holder(conn: psycopg.Connection, key: int, name: str) -> Holder | None:
-    """Return the pglock session that holds the lock called ``name``, or None.
+def named_holder_params(name: str) -> tuple[bytes, bytes]:
+    """The parameters of NAMED_HOLDER for the lock called ``name``."""
+    return encode_name(name).encode(), str(APPLICATION_NAME_MAX_BYTES - 4).encode()
 
-    Cheap whatever the number of locks on the server (no pg_locks); a holder
-    that did not name its session (hand-rolled code, a shared session) is not found.
-    """
-    params = {"name": encode_name(name), "cut": APPLICATION_NAME_MAX_BYTES - 4}
-    row = conn.execute(_NAMED, params).fetchone()
-    if row is None:
-        return None
+
+def named_holder(key: int, name: str, row: list[bytes | None]) -> Holder:
+    """Build the Holder of ``name`` from a row of NAMED_HOLDER (text values)."""
+
+    def text(value: bytes | None) -> str | None:
+        return value.decode() if value is not None else None
+
     pid, app_name, addr, started, changed, state = row
-    _, _, task_id, worker_pid, worker_host = parse_application_name(app_name or "", key)
+    app_name_text = text(app_name) or ""
+    _, _, task_id, worker_pid, worker_host = parse_application_name(app_name_text, key)
     return Holder(
         key=key,
         name=None if name == f"#{key}" else name,
@@ -157,12 +156,12 @@ def find_named_holder(conn: psycopg.Connection, key: int, name: str) -> Holder |
         task_id=task_id,
         worker_pid=worker_pid,
         worker_host=worker_host,
-        backend_pid=pid,
-        application_name=app_name or "",
-        client_addr=addr,
-        backend_start=_iso(started),
-        state_change=_iso(changed),
-        state=state,
+        backend_pid=int(pid) if pid is not None else 0,
+        application_name=app_name_text,
+        client_addr=text(addr),
+        backend_start=text(started),
+        state_change=text(changed),
+        state=text(state),
     )
 
 

@@ -32,7 +32,7 @@ from . import sessions, shared
 from .config import PglockConfig, get_config
 from .connection import application_name, idle_name, open_session
 from .exceptions import LockLost, LockNameError, LockTimeout, LockUnavailable, PglockError
-from .inspect import Holder, find_named_holder
+from .inspect import NAMED_HOLDER, Holder, named_holder, named_holder_params
 from .keys import check_key, lock_key
 from .lock_session import LockSession
 from .monitor import Hold, LossHandler, abandoned, free_abandoned, one_line, scheduler
@@ -374,8 +374,7 @@ class AdvisoryLock:
         if session is None or session.pid != os.getpid():
             return None
         try:
-            with session.guard:
-                return find_named_holder(session.conn, self.key, self.label)
+            result = session.query(*NAMED_HOLDER, named_holder_params(self.label))
         except psycopg.Error as exc:
             logger.warning(
                 "lock %s: could not look up its holder: %s",
@@ -384,6 +383,10 @@ class AdvisoryLock:
                 extra={"lock": self.label, "key": self.key},
             )
             return None
+        if not result.ntuples:
+            return None
+        row = [result.get_value(0, column) for column in range(result.nfields)]
+        return named_holder(self.key, self.label, row)
 
     def held(self) -> bool:
         """Ask Postgres whether this session still holds the lock.

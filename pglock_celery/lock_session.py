@@ -34,19 +34,21 @@ _ERROR_MESSAGE = b"E"
 _NO_SUCH_STATEMENT = b"26000"
 
 
-def _green_select() -> bool:
-    """Whether eventlet or gevent made ``select`` cooperative since psycopg was imported.
+def _green_select() -> str | None:
+    """Which green library made ``select`` cooperative since psycopg was imported, if any.
 
     psycopg picks its wait function once, at import, and only knows gevent.
     """
     try:
         eventlet = sys.modules.get("eventlet.patcher")
         if eventlet is not None and eventlet.is_monkey_patched("select"):
-            return True
+            return "eventlet"
         gevent = sys.modules.get("gevent.monkey")
-        return bool(gevent is not None and gevent.is_module_patched("select"))
+        if gevent is not None and gevent.is_module_patched("select"):
+            return "gevent"
     except Exception:
-        return False
+        return None
+    return None
 
 
 class SessionConnection(psycopg.Connection[Any]):
@@ -58,8 +60,12 @@ class SessionConnection(psycopg.Connection[Any]):
         interval: float = 0.1,
         timeout: float | None = None,
     ) -> Any:
-        if _green_select():
-            # wait_c polls in C, out of the hub's reach: it would block every green thread.
+        green = _green_select()
+        if green == "gevent" and hasattr(waiting, "wait_poll"):
+            # wait_c polls in C, out of the hub's reach: it would block every green
+            # thread. gevent makes poll() cooperative, which takes descriptors past 1023.
+            return waiting.wait_poll(gen, self.pgconn.socket, interval=interval)
+        if green:
             return waiting.wait_select(gen, self.pgconn.socket, interval=interval)
         if timeout is None:  # psycopg before 3.3 takes no timeout
             return super().wait(gen, interval)
