@@ -1,0 +1,228 @@
+"""TenantLockedTask's modes and skip results, and wait locks on reused sessions, on real Postgres.
+
+Calls run eagerly (``apply``) in this process: the lock, its session and the
+server are real; only the broker is left out.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+
+from pglock_celery import (
+    LockLost,
+    LockTimeout,
+    TenantLockedTask,
+    current_lock,
+    lock_key,
+    sessions,
+    try_lock,
+)
+from pglock_celery.config import PglockConfig
+from pglock_celery.lock import AdvisoryLock
+
+
+@pytest.fixture(autouse=True)
+def empty_cache() -> Iterator[None]:
+    sessions.close_idle()
+    yield
+    sessions.close_idle()
+
+
+@pytest.fixture
+def eager_app(pg_dsn: str) -> Celery:
+    app = Celery("modes", set_as_current=False, broker="memory://", backend="cache+memory://")
+    # A long check interval: only the body's own statements can find a loss.
+    app.conf.update(pglock_dsn=pg_dsn, pglock_check_interval=60, task_store_eager_result=True)
+    return app
+
+
+def admin(dsn: str, query: str, params: tuple[Any, ...] = ()) -> Any:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(query, params).fetchone()
+    return row[0] if row else None
+
+
+def held_elsewhere(dsn: str, name: str) -> psycopg.Connection[Any]:
+    """A plain session holding ``name``'s lock: another worker, for the call under test."""
+    conn = psycopg.connect(dsn, autocommit=True)
+    conn.execute("SELECT pg_advisory_lock(%s)", (lock_key(name),))
+    return conn
+
+
+# 4: a failed statement on a lost session ---------------------------------------------------
+
+
+def test_a_statement_that_fails_on_a_lost_session_fails_the_call_with_lock_lost(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> None:
+        lock = current_lock()
+        assert lock is not None
+        admin(pg_dsn, "SELECT pg_terminate_backend(%s)", (lock.connection.info.backend_pid,))
+        lock.connection.execute("SELECT 1")  # before any check could have seen the loss
+
+    result = step.apply((run_id,))
+    assert isinstance(result.result, LockLost), repr(result.result)
+    assert f"lock t:{run_id} was lost during the step" in str(result.result)
+    assert isinstance(result.result.__cause__, psycopg.OperationalError)
+
+
+# 5: retry mode running out of retries ------------------------------------------------------
+
+
+def test_retry_mode_fails_with_lock_timeout_once_its_retries_run_out(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    ran: list[int] = []
+
+    @eager_app.task(
+        base=TenantLockedTask, lock_name="t:{tenant}", lock_mode="retry", max_retries=2,
+        lock_retry_countdown=0.01, bind=True, shared=False,
+    )  # fmt: skip
+    def step(self: TenantLockedTask, tenant: str) -> None:
+        ran.append(self.request.retries)
+
+    other = held_elsewhere(pg_dsn, f"t:{run_id}")
+    try:
+        result = step.apply((run_id,))
+    finally:
+        other.close()
+    assert isinstance(result.result, LockTimeout), repr(result.result)
+    assert str(result.result) == (
+        f"task {step.name}: lock t:{run_id} was still held after 2 retries"
+    )
+    assert ran == []
+
+
+# 8: what a skipping caller gets -------------------------------------------------------------
+
+
+def test_an_overridden_on_lock_skipped_gives_the_skip_result(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    class Quiet(TenantLockedTask):
+        def on_lock_skipped(self, lock_name, holder, args, kwargs):  # type: ignore[no-untyped-def]
+            return {"busy": lock_name, "by": holder["backend_pid"], "args": list(args), **kwargs}
+
+    @eager_app.task(base=Quiet, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str, stage: str = "x") -> str:
+        return "ran"
+
+    other = held_elsewhere(pg_dsn, f"t:{run_id}")
+    try:
+        result = step.apply((run_id,), {"stage": "train"})
+        holder = other.info.backend_pid
+    finally:
+        other.close()
+    assert result.successful()
+    assert result.result == {
+        "busy": f"t:{run_id}",
+        "by": holder,
+        "args": [run_id],
+        "stage": "train",
+    }
+
+
+def test_without_report_holder_a_skip_names_no_holder(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    eager_app.conf.pglock_report_holder = False
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> str:
+        return "ran"
+
+    with try_lock(f"t:{run_id}", dsn=pg_dsn) as held:
+        assert held.acquired
+        result = step.apply((run_id,))
+    assert result.result == {"skipped": True, "lock": f"t:{run_id}", "holder": None}
+    eager_app.conf.pglock_report_holder = True
+    with try_lock(f"t:{run_id}", dsn=pg_dsn) as held:
+        result = step.apply((run_id,))
+        assert result.result["holder"]["backend_pid"] == held.connection.info.backend_pid
+
+
+# 7: wait mode on reused sessions, and the idle bound ---------------------------------------
+
+
+def reuse_lock(dsn: str, name: str, **options: Any) -> AdvisoryLock:
+    config = PglockConfig(dsn=dsn, strategy="reuse", idle_sessions=options.pop("idle", 2))
+    return AdvisoryLock(name, config=config, **options)
+
+
+def application_name_of(dsn: str, backend: int) -> str:
+    """The application_name the server shows for ``backend``."""
+    name = admin(dsn, "SELECT application_name FROM pg_stat_activity WHERE pid = %s", (backend,))
+    assert name is not None, f"backend {backend} is gone"
+    return str(name)
+
+
+def test_a_wait_with_a_timeout_on_a_cached_session_leaves_neither_timeout_nor_name(
+    pg_dsn: str, run_id: str
+) -> None:
+    with reuse_lock(pg_dsn, f"warm:{run_id}") as warm:
+        backend = warm._session.backend_pid  # type: ignore[union-attr]
+    with reuse_lock(pg_dsn, f"w:{run_id}", wait=True, timeout=5) as waited:
+        assert waited._session.backend_pid == backend  # type: ignore[union-attr]
+        # Named after its holder once granted.
+        assert application_name_of(pg_dsn, backend).endswith(f"|w:{run_id}")
+    assert sessions.idle_count() == 1
+    assert application_name_of(pg_dsn, backend) == f"pglock-idle|{os.getpid()}"
+    with reuse_lock(pg_dsn, f"next:{run_id}") as following:
+        conn = following.connection
+        assert conn.info.backend_pid == backend  # the very session, reused again
+        assert conn.execute("SHOW lock_timeout").fetchone() == ("0",)
+        name = conn.execute("SHOW application_name").fetchone()
+        assert name is not None and name[0].endswith(f"|next:{run_id}")
+
+
+def test_a_wait_that_times_out_on_a_cached_session_leaves_no_timeout_behind(
+    pg_dsn: str, run_id: str
+) -> None:
+    with reuse_lock(pg_dsn, f"warm:{run_id}"):
+        pass
+    other = held_elsewhere(pg_dsn, f"w:{run_id}")
+    try:
+        with pytest.raises(LockTimeout), reuse_lock(pg_dsn, f"w:{run_id}", wait=True, timeout=0.2):
+            pytest.fail("the body ran without the lock")
+    finally:
+        other.close()
+    with reuse_lock(pg_dsn, f"next:{run_id}") as following:
+        conn = following.connection
+        assert conn.execute("SHOW lock_timeout").fetchone() == ("0",)
+    with reuse_lock(pg_dsn, f"w:{run_id}", wait=True) as free:
+        assert free.acquired
+
+
+def idle_sessions_on_server(dsn: str) -> int:
+    return int(
+        admin(
+            dsn,
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE application_name = %s AND datname = current_database()",
+            (f"pglock-idle|{os.getpid()}",),
+        )
+    )
+
+
+@pytest.mark.parametrize("bound", [0, 2])
+def test_a_process_keeps_at_most_idle_sessions_and_closes_the_others(
+    pg_dsn: str, run_id: str, bound: int
+) -> None:
+    held = [reuse_lock(pg_dsn, f"b{n}:{run_id}", idle=bound) for n in range(4)]
+    for lock in held:
+        assert lock.acquire()
+    for lock in held:
+        lock.release()
+    assert sessions.idle_count() == bound
+    assert idle_sessions_on_server(pg_dsn) == bound
+    with reuse_lock(pg_dsn, f"again:{run_id}", idle=bound) as again:
+        assert again.acquired
+    assert sessions.idle_count() == bound
