@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import netns
 from tests.helpers.services import (
     own_database,
     own_redis_database,
@@ -62,3 +63,18 @@ def run_id() -> str:
 @pytest.fixture(scope="session")
 def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture
+def guest() -> Iterator[netns.Guest]:
+    """A network namespace of the test's own; a missing capability fails in CI."""
+    why = netns.available()
+    if why is not None:
+        if IN_CI:
+            pytest.fail(f"a network namespace cannot be made here: {why}")
+        pytest.skip(why)
+    host = netns.Guest()
+    host.destroy()  # a leftover of a crashed run of ours, by the same name
+    host.create()
+    yield host
+    host.destroy()

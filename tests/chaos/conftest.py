@@ -14,8 +14,6 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from tests.conftest import IN_CI
-from tests.helpers import netns
 from tests.helpers.history import create_history, drop_history
 from tests.helpers.leftovers import leftovers
 from tests.helpers.services import EmbeddedPostgres, EmbeddedRedis, wait_until
@@ -104,18 +102,3 @@ def history(chaos_pg: EmbeddedPostgres) -> Iterator[str]:
     table = create_history(chaos_pg.dsn)
     yield table
     drop_history(chaos_pg.dsn, table)
-
-
-@pytest.fixture
-def guest() -> Iterator[netns.Guest]:
-    """A network namespace for the partition test; missing capability fails in CI."""
-    why = netns.available()
-    if why is not None:
-        if IN_CI:
-            pytest.fail(f"partition test cannot run: {why}")
-        pytest.skip(why)
-    host = netns.Guest()
-    host.destroy()  # a leftover of a crashed run of ours, by the same name
-    host.create()
-    yield host
-    host.destroy()
