@@ -171,19 +171,36 @@ def other_clients(server: EmbeddedPostgres) -> int:
     return int(row[0]) if row else -1
 
 
-def test_a_host_that_never_answers_times_out_and_the_body_never_runs(
-    guest: netns.Guest, run_id: str
-) -> None:
-    """From a namespace whose packets reach this side, which never replies."""
-    guest.stop_answering()
-    dsn = f"host={netns.HOST_IP} port=5432 user=postgres dbname=postgres"
+@pytest.fixture
+def guest_pg(guest: netns.Guest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server the guest namespace reaches over the veth pair: its DSN from there."""
+    server = EmbeddedPostgres(tmp_path_factory.mktemp("guest-pg"))
+    server.init(f"listen_addresses = '127.0.0.1,{netns.HOST_IP}'")
+    with (server.data / "pg_hba.conf").open("a") as hba:
+        hba.write(f"host all all {netns.GUEST_IP}/32 trust\n")
+    server.start()
+    yield f"host={netns.HOST_IP} port={server.port} user=postgres dbname=postgres"
+    server.destroy()
+
+
+def attempt_from(guest: netns.Guest, dsn: str, tenant: str) -> dict[str, Any]:
+    """One task call made inside the guest namespace (see tests/helpers/attempt.py)."""
     done = subprocess.run(
-        guest.command([sys.executable, "-m", "tests.helpers.attempt", dsn, run_id]),
+        guest.command([sys.executable, "-m", "tests.helpers.attempt", dsn, tenant]),
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "PGLOCK_CONNECT_TIMEOUT": "2"},
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    outcome = json.loads(done.stdout)
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def test_a_host_that_never_answers_times_out_and_the_body_never_runs(
+    guest: netns.Guest, guest_pg: str, run_id: str
+) -> None:
+    """The same server over the same address, once answering and once silent."""
+    assert attempt_from(guest, guest_pg, run_id)["ran"] is True
+    guest.stop_answering()  # the guest's packets arrive; nothing ever comes back
+    outcome = attempt_from(guest, guest_pg, run_id)
     print(f"\nno answer: {outcome['error']} after {outcome['seconds']:.1f} s")
     assert outcome["ran"] is False
     assert outcome["error"] == "LockUnavailable"
