@@ -47,11 +47,17 @@ def pg_dsn(pg_server: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Redis database of this run's own (never 0, `make run`'s), cleared at the end."""
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A URL of the Redis server the run uses (its own database is ``broker_url``)."""
     with redis_for_tests(tmp_path_factory.mktemp("redis")) as url:
-        with own_redis_database(url) as own:
-            yield own
+        yield url
+
+
+@pytest.fixture(scope="session")
+def broker_url(redis_server: str) -> Iterator[str]:
+    """A Redis database of this run's own (never 0, `make run`'s), cleared at the end."""
+    with own_redis_database(redis_server) as own:
+        yield own
 
 
 @pytest.fixture
