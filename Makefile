@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test lint unit integration chaos soak bench clean
+.PHONY: run test lint unit integration chaos soak bench mutate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ bench: $(STAMP)
 # A longer randomized mix of faults: make soak ARGS="--duration 600"
 soak: $(STAMP)
 	$(PY) -m tests.chaos.soak $(ARGS)
+
+# Mutation testing of keys, config, task (names and modes) and sessions with the tests
+# that run in-process; prints the score and each survivor (not in CI; an hour or more).
+mutate: $(STAMP)
+	$(PY) -m tests.mutation.score $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
