@@ -226,3 +226,94 @@ def test_a_process_keeps_at_most_idle_sessions_and_closes_the_others(
     with reuse_lock(pg_dsn, f"again:{run_id}", idle=bound) as again:
         assert again.acquired
     assert sessions.idle_count() == bound
+
+
+# A task's own retry, and what is logged --------------------------------------------------
+
+
+def free_elsewhere(dsn: str, name: str) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_try_advisory_lock(%s)", (lock_key(name),)).fetchone()
+        return bool(row and row[0])
+
+
+def test_a_tasks_own_retry_releases_its_lock_before_the_retry_is_sent(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    seen: dict[str, Any] = {}
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", bind=True, shared=False)
+    def step(self: TenantLockedTask, tenant: str, stage: str = "first") -> str:
+        if stage == "first":
+            retry = self.retry((tenant, "second"), countdown=0, throw=False)
+            seen["args"] = retry.sig.args
+            seen["free"] = free_elsewhere(pg_dsn, f"t:{tenant}")
+        return stage
+
+    step.apply((run_id,))
+    assert seen == {"args": (run_id, "second"), "free": True}
+
+
+def test_an_inline_calls_retry_leaves_its_callers_hold_alone(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", bind=True, shared=False)
+    def inner(self: TenantLockedTask, tenant: str) -> None:
+        self.retry(countdown=0, throw=False)
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def outer(tenant: str) -> tuple[bool, bool]:
+        retried = inner.apply((tenant,)).successful()  # runs under this call's hold
+        lock = current_lock()
+        held = lock is not None and lock.held() and not free_elsewhere(pg_dsn, f"t:{tenant}")
+        return retried, held
+
+    assert outer.apply((run_id,)).get() == (True, True)
+
+
+def test_a_retry_after_the_lock_was_lost_logs_the_loss_and_still_retries(
+    eager_app: Celery, pg_dsn: str, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: dict[str, Any] = {}
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", bind=True, shared=False)
+    def step(self: TenantLockedTask, tenant: str) -> None:
+        lock = current_lock()
+        assert lock is not None
+        admin(pg_dsn, "SELECT pg_terminate_backend(%s)", (lock.connection.info.backend_pid,))
+        seen["retry"] = self.retry(countdown=0, throw=False)
+        seen["id"] = self.request.id
+
+    step.apply((run_id,))
+    assert seen["retry"] is not None
+    [record] = [r for r in caplog.records if "before retrying" in r.getMessage()]
+    assert record.levelname == "WARNING"
+    assert record.getMessage().startswith(f"lock t:{run_id}: the session failed at release")
+    assert record.getMessage().endswith(f"(before retrying task {step.name})")
+    assert (record.lock, record.task_id) == (f"t:{run_id}", seen["id"])  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("report", [True, False])
+def test_a_skip_is_logged_with_its_holder_and_the_call(
+    eager_app: Celery, pg_dsn: str, run_id: str, caplog: pytest.LogCaptureFixture, report: bool
+) -> None:
+    eager_app.conf.pglock_report_holder = report
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> str:
+        return "ran"
+
+    with try_lock(f"t:{run_id}", dsn=pg_dsn) as held, caplog.at_level("INFO"):
+        result = step.apply((run_id,))
+        shown = admin(
+            pg_dsn,
+            "SELECT application_name FROM pg_stat_activity WHERE pid = %s",
+            (held.connection.info.backend_pid,),
+        )
+    [record] = [r for r in caplog.records if r.getMessage().endswith("skipped")]
+    holder = shown if report else "unknown"
+    assert record.getMessage() == (
+        f"lock t:{run_id} is held by {holder}: task {step.name}[{result.id}] skipped"
+    )
+    assert (record.lock, record.task_id) == (f"t:{run_id}", result.id)  # type: ignore[attr-defined]
+    assert record.holder == result.result["holder"]  # type: ignore[attr-defined]
