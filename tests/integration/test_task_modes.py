@@ -6,7 +6,10 @@ server are real; only the broker is left out.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +20,7 @@ from celery import Celery
 from pglock_celery import (
     LockLost,
     LockTimeout,
+    LockUnavailable,
     TenantLockedTask,
     current_lock,
     lock_key,
@@ -24,6 +28,7 @@ from pglock_celery import (
     try_lock,
 )
 from pglock_celery.config import PglockConfig
+from pglock_celery.inspect import find_holder
 from pglock_celery.lock import AdvisoryLock
 
 
@@ -70,8 +75,12 @@ def test_a_statement_that_fails_on_a_lost_session_fails_the_call_with_lock_lost(
 
     result = step.apply((run_id,))
     assert isinstance(result.result, LockLost), repr(result.result)
-    assert f"lock t:{run_id} was lost during the step" in str(result.result)
+    assert str(result.result) == (
+        f"task {step.name}: lock t:{run_id} was lost during the step:"
+        " the lock session failed: it is closed"
+    )
     assert isinstance(result.result.__cause__, psycopg.OperationalError)
+    assert "terminating connection" in str(result.result.__cause__)
 
 
 # 5: retry mode running out of retries ------------------------------------------------------
@@ -317,3 +326,184 @@ def test_a_skip_is_logged_with_its_holder_and_the_call(
     )
     assert (record.lock, record.task_id) == (f"t:{run_id}", result.id)  # type: ignore[attr-defined]
     assert record.holder == result.result["holder"]  # type: ignore[attr-defined]
+
+
+# The call's own options reach the lock -----------------------------------------------------
+
+
+def test_keyword_arguments_reach_the_body_directly_and_under_a_callers_hold(
+    eager_app: Celery, run_id: str
+) -> None:
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def inner(tenant: str, stage: str = "default") -> str:
+        return stage
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def outer(tenant: str, stage: str = "default") -> tuple[str, str]:
+        return stage, inner(tenant, stage="inline")
+
+    assert outer.apply((run_id,), {"stage": "given"}).get() == ("given", "inline")
+
+
+def release_after(conn: psycopg.Connection[Any], seconds: float) -> threading.Thread:
+    def release() -> None:
+        time.sleep(seconds)
+        conn.close()
+
+    thread = threading.Thread(target=release)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize(("timeout", "outcome"), [(0.3, "timeout"), (10, "ran")])
+def test_wait_mode_waits_up_to_its_lock_timeout(
+    eager_app: Celery, pg_dsn: str, run_id: str, timeout: float, outcome: str
+) -> None:
+    @eager_app.task(
+        base=TenantLockedTask, lock_name="t:{tenant}", lock_mode="wait", lock_timeout=timeout,
+        shared=False,
+    )  # fmt: skip
+    def step(tenant: str) -> str:
+        return "ran"
+
+    other = held_elsewhere(pg_dsn, f"t:{run_id}")
+    thread = release_after(other, 1.0)
+    started = time.monotonic()
+    result = step.apply((run_id,))
+    took = time.monotonic() - started
+    thread.join()
+    if outcome == "timeout":
+        assert isinstance(result.result, LockTimeout), repr(result.result)
+        assert took < 0.9
+    else:
+        assert result.result == "ran" and took >= 0.9
+
+
+def test_the_holder_report_names_the_call_that_holds_the_lock(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> Any:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            holder = find_holder(conn, lock_key(f"t:{tenant}"))
+        assert holder is not None
+        return holder.task_id
+
+    result = step.apply((run_id,))
+    assert result.result == result.id
+
+
+def test_autoretry_for_a_lock_error_retries_then_fails_with_it(
+    eager_app: Celery, run_id: str
+) -> None:
+    eager_app.conf.pglock_dsn = "host=127.0.0.1 port=1 user=nobody dbname=none"
+    retries: list[str] = []
+
+    class Counting(TenantLockedTask):
+        def on_retry(self, exc, task_id, args, kwargs, einfo):  # type: ignore[no-untyped-def]
+            retries.append(type(exc).__name__)
+
+    @eager_app.task(
+        base=Counting, lock_name="t:{tenant}", autoretry_for=(LockUnavailable,),
+        retry_kwargs={"countdown": 0, "max_retries": 2}, max_retries=5, shared=False,
+    )  # fmt: skip
+    def step(tenant: str) -> str:
+        return "ran"
+
+    result = step.apply((run_id,))
+    assert isinstance(result.result, LockUnavailable), repr(result.result)
+    assert "127.0.0.1:1" in str(result.result)
+    assert retries == ["LockUnavailable", "LockUnavailable"]
+
+
+def test_a_skip_drops_the_calls_callbacks_and_a_run_keeps_them(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    eager_app.conf.task_always_eager = True  # callbacks are sent: run them here
+    called: list[str] = []
+
+    @eager_app.task(shared=False)
+    def follow(label: str) -> None:
+        called.append(label)
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> str:
+        return "ran"
+
+    with try_lock(f"t:{run_id}", dsn=pg_dsn):
+        assert step.apply((run_id,), link=follow.si("after a skip")).result["skipped"]
+    assert step.apply((run_id,), link=follow.si("after a run")).result == "ran"
+    assert called == ["after a run"]
+
+
+def test_a_retry_while_held_is_logged_with_its_countdown(
+    eager_app: Celery, pg_dsn: str, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    @eager_app.task(
+        base=TenantLockedTask, lock_name="t:{tenant}", lock_mode="retry", max_retries=0,
+        lock_retry_countdown=0.25, shared=False,
+    )  # fmt: skip
+    def step(tenant: str) -> str:
+        return "ran"
+
+    with try_lock(f"t:{run_id}", dsn=pg_dsn) as held, caplog.at_level("INFO"):
+        result = step.apply((run_id,))
+        shown = admin(
+            pg_dsn,
+            "SELECT application_name FROM pg_stat_activity WHERE pid = %s",
+            (held.connection.info.backend_pid,),
+        )
+    [record] = [r for r in caplog.records if "retries in" in r.getMessage()]
+    assert record.getMessage() == (
+        f"lock t:{run_id} is held by {shown}: task {step.name}[{result.id}] retries in 0.25 s"
+    )
+    assert (record.lock, record.task_id) == (f"t:{run_id}", result.id)  # type: ignore[attr-defined]
+
+
+def test_the_retry_countdown_falls_back_to_the_setting(
+    eager_app: Celery, pg_dsn: str, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    eager_app.conf.pglock_retry_countdown = 0.75
+
+    @eager_app.task(
+        base=TenantLockedTask, lock_name="t:{tenant}", lock_mode="retry", max_retries=0,
+        shared=False,
+    )  # fmt: skip
+    def step(tenant: str) -> str:
+        return "ran"
+
+    with try_lock(f"t:{run_id}", dsn=pg_dsn), caplog.at_level("INFO"):
+        step.apply((run_id,))
+    assert any(r.getMessage().endswith("retries in 0.75 s") for r in caplog.records)
+
+
+def test_on_lost_terminate_ends_the_process_with_status_70(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    """Run in a forked child, which the reaction ends; the parent reads its status and log."""
+    eager_app.conf.update(pglock_on_lost="terminate", pglock_check_interval=0.1)
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> str:
+        lock = current_lock()
+        assert lock is not None
+        lock.connection.execute("SELECT pg_advisory_unlock_all()")
+        time.sleep(5)
+        return "ran"
+
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        os.close(read)
+        handler = logging.StreamHandler(os.fdopen(write, "w"))
+        logging.getLogger("pglock_celery").addHandler(handler)
+        try:
+            step.apply((run_id,), task_id=f"task-{run_id}")
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as logged:
+        log = logged.read()
+    _, status = os.waitpid(child, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 70, (status, log)
+    assert f"so that task {step.name}[task-{run_id}] stops" in log
