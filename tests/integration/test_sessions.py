@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 
 import psycopg
 import pytest
@@ -163,3 +164,25 @@ def test_what_a_forked_child_does_with_its_parents_sessions(pg_dsn: str, run_id:
         )
     with pytest.raises(LockLost):
         held.release()
+
+
+def test_alive_reads_the_socket_without_taking_what_libpq_is_owed(pg_dsn: str, run_id: str) -> None:
+    """A notification waiting on the socket is life, and psycopg still gets it after."""
+    with lock(pg_dsn, f"a:{run_id}") as held:
+        session = held._session
+        assert session is not None and session.alive()  # nothing arrived: alive
+        conn = held.connection
+        conn.execute(f"LISTEN ch_{run_id}")
+        with psycopg.connect(pg_dsn, autocommit=True) as other:
+            other.execute(f"NOTIFY ch_{run_id}, 'hello'")
+        wait_until(lambda: select.select([session.pgconn.socket], [], [], 0)[0], 5, "the notify")
+        assert session.alive()
+        assert session.alive()  # peeked, not taken: still there
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+        assert [n.payload for n in conn.notifies(timeout=1, stop_after=1)] == ["hello"]
+        with psycopg.connect(pg_dsn, autocommit=True) as other:
+            other.execute("SELECT pg_terminate_backend(%s)", (session.backend_pid,))
+        wait_until(lambda: not session.alive(), 5, "the session to read as dead")
+        with pytest.raises(LockLost):
+            held.release()
+        assert not session.alive()  # closed now, and still dead
