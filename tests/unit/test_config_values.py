@@ -8,9 +8,10 @@ from typing import Any
 
 import celery.app.utils
 import pytest
+from celery import Celery
 
 from pglock_celery import config as config_module
-from pglock_celery.config import PglockConfig, load_config
+from pglock_celery.config import PglockConfig, get_config, load_config
 
 
 @pytest.mark.parametrize(
@@ -126,3 +127,38 @@ def test_a_celery_without_a_secret_pattern_is_left_alone(
     monkeypatch.setattr(celery.app.utils, "HIDDEN_SETTINGS", hidden)
     config_module._mask_in_celery_reports()
     assert celery.app.utils.HIDDEN_SETTINGS == hidden
+
+
+def test_a_warning_points_at_the_code_that_read_the_settings(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with pytest.warns(RuntimeWarning) as caught:
+        load_config({"pglock_strategy": "pool"}, environ={})
+    assert caught[0].filename == __file__  # the caller's line, not config.py's
+    [record] = [r for r in caplog.records if r.name == "pglock_celery.config"]
+    assert record.setting == "pglock_strategy"  # type: ignore[attr-defined]
+
+
+def test_without_a_conf_only_the_environment_counts() -> None:
+    assert load_config(None, environ={"PGLOCK_STRATEGY": "connect"}).strategy == "connect"
+
+
+def test_with_dsn_none_keeps_the_very_config() -> None:
+    config = PglockConfig(dsn="dbname=a")
+    assert config.with_dsn(None) is config
+    assert config.with_dsn("dbname=b") == PglockConfig(dsn="dbname=b")
+
+
+def test_a_namespaced_setting_changed_after_first_use_counts_at_the_next_call() -> None:
+    class Settings:
+        CELERY_BROKER_URL = "memory://"
+        CELERY_PGLOCK_DSN = "dbname=first"
+
+    app = Celery("ns-change", set_as_current=False)
+    app.config_from_object(Settings, namespace="CELERY")
+    assert get_config(app).dsn == "dbname=first"
+    app.conf["CELERY_PGLOCK_DSN"] = "dbname=second"
+    assert get_config(app).dsn == "dbname=second"
+    Settings.CELERY_PGLOCK_DSN = "dbname=third"  # the object itself, behind the conf
+    app.conf.pop("CELERY_PGLOCK_DSN")
+    assert get_config(app).dsn == "dbname=third"
