@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         cwd=args.workdir, env=env, check=False,
     )  # fmt: skip
     statuses = results(args.workdir, env)
+    if all(status == "not checked" for status in statuses.values()):
+        print("mutmut checked no mutant: see its output above", file=sys.stderr)
+        return 1
     counts = Counter(statuses.values())
     survivors = sorted(name for name, status in statuses.items() if status != "killed")
     equivalent = [name for name in survivors if name in EQUIVALENT]
