@@ -42,8 +42,7 @@ def empty_cache() -> Iterator[None]:
 @pytest.fixture
 def eager_app(pg_dsn: str) -> Celery:
     app = Celery("modes", set_as_current=False, broker="memory://", backend="cache+memory://")
-    # A long check interval: only the body's own statements can find a loss.
-    app.conf.update(pglock_dsn=pg_dsn, pglock_check_interval=60, task_store_eager_result=True)
+    app.conf.update(pglock_dsn=pg_dsn, task_store_eager_result=True)
     return app
 
 
