@@ -173,6 +173,7 @@ def test_alive_reads_the_socket_without_taking_what_libpq_is_owed(pg_dsn: str, r
         assert session is not None and session.alive()  # nothing arrived: alive
         conn = held.connection
         conn.execute(f"LISTEN ch_{run_id}")
+        assert list(conn.notifies(timeout=0.2)) == []  # the handle's waits keep their timeout
         with psycopg.connect(pg_dsn, autocommit=True) as other:
             other.execute(f"NOTIFY ch_{run_id}, 'hello'")
         wait_until(lambda: select.select([session.pgconn.socket], [], [], 0)[0], 5, "the notify")
@@ -186,3 +187,26 @@ def test_alive_reads_the_socket_without_taking_what_libpq_is_owed(pg_dsn: str, r
         with pytest.raises(LockLost):
             held.release()
         assert not session.alive()  # closed now, and still dead
+
+
+def test_a_session_discarded_is_forgotten(pg_dsn: str, run_id: str) -> None:
+    with lock(pg_dsn, f"a:{run_id}", strategy="connect") as held:
+        session = held._session
+        assert session in sessions._open
+    assert session not in sessions._open and session is not None and session.closed
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_a_session_waits_cooperatively_only_when_select_is_patched(
+    pg_dsn: str, run_id: str, monkeypatch: pytest.MonkeyPatch, patched: bool
+) -> None:
+    """gevent's own record of what it patched, set as gevent would (eventlet's import
+    would make every later fork of this process warn)."""
+    import gevent.monkey
+
+    if patched:
+        monkeypatch.setitem(gevent.monkey.saved, "select", {})
+    assert sessions._green_select() is patched
+    with lock(pg_dsn, f"a:{run_id}") as held:  # its statements wait the green way, or not
+        assert held.acquired
+        assert held.connection.execute("SELECT pg_sleep(0.05), 1").fetchone() == ("", 1)

@@ -483,13 +483,15 @@ def test_on_lost_terminate_ends_the_process_with_status_70(
     eager_app.conf.update(pglock_on_lost="terminate", pglock_check_interval=0.1)
 
     @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
-    def step(tenant: str) -> str:
+    def step(tenant: str, lose: bool = True) -> str:
         lock = current_lock()
         assert lock is not None
-        lock.connection.execute("SELECT pg_advisory_unlock_all()")
-        time.sleep(5)
+        if lose:
+            lock.connection.execute("SELECT pg_advisory_unlock_all()")
+            time.sleep(5)
         return "ran"
 
+    assert step.apply((f"{run_id}-kept", False)).get() == "ran"  # the process lives on
     read, write = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - the child

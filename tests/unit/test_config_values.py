@@ -10,6 +10,7 @@ import celery.app.utils
 import pytest
 from celery import Celery
 
+from pglock_celery import ConfigurationError
 from pglock_celery import config as config_module
 from pglock_celery.config import PglockConfig, get_config, load_config
 
@@ -162,3 +163,39 @@ def test_a_namespaced_setting_changed_after_first_use_counts_at_the_next_call() 
     Settings.CELERY_PGLOCK_DSN = "dbname=third"  # the object itself, behind the conf
     app.conf.pop("CELERY_PGLOCK_DSN")
     assert get_config(app).dsn == "dbname=third"
+
+
+def test_a_missing_dsn_says_where_to_set_it() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        PglockConfig().require_dsn()
+    assert str(raised.value) == (
+        "no lock database configured: set the Celery setting pglock_dsn "
+        "or the environment variable PGLOCK_DSN"
+    )
+
+
+def test_a_malformed_dsn_says_how_to_keep_the_password_out() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        PglockConfig(dsn="host=h password=x oops").require_dsn()
+    assert str(raised.value).endswith(
+        "its text is not shown. Keep the password out of the DSN: PGPASSWORD or a passfile"
+        " (PGPASSFILE)"
+    )
+
+
+def test_a_bad_value_under_a_lowercase_namespace_is_named_as_written() -> None:
+    app = Celery("lower-ns", set_as_current=False)
+    app.config_from_object(
+        {"celery_broker_url": "memory://", "celery_pglock_check_interval": "soon"},
+        namespace="celery",
+    )
+    with pytest.warns(RuntimeWarning, match=r"^ignoring celery_pglock_check_interval='soon': "):
+        get_config(app)
+
+
+def test_a_celery_without_the_secret_pattern_attribute_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(celery.app.utils, "HIDDEN_SETTINGS")
+    config_module._mask_in_celery_reports()
+    assert not hasattr(celery.app.utils, "HIDDEN_SETTINGS")
