@@ -11,7 +11,7 @@ OLDEST_STAMP := $(OLDEST)/.installed-stamp
 # (the doctor's pooler test), Chromium and its driver (Flower in a real browser).
 APT_PACKAGES := pgbouncer chromium chromium-driver
 
-.PHONY: run test lint unit integration chaos matrix soak bench clean
+.PHONY: run test lint unit integration chaos matrix soak bench mutate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +77,11 @@ bench: $(STAMP)
 # A longer randomized mix of faults: make soak ARGS="--duration 600"
 soak: $(STAMP)
 	$(PY) -m tests.chaos.soak $(ARGS)
+
+# Mutation testing of keys, config, task (names and modes) and sessions with the tests
+# that run in-process; prints the score and each survivor (not in CI; an hour or more).
+mutate: $(STAMP)
+	$(PY) -m tests.mutation.score $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(OLDEST) .pytest_cache .mypy_cache .ruff_cache

@@ -1,30 +1,63 @@
-"""Service fixtures shared by every test suite: Postgres and Redis, found or started."""
+"""Service fixtures shared by every test suite: Postgres and Redis, found or started.
+
+The run works in a Postgres database and a Redis database of its own on whatever
+servers it found (see tests/helpers/services.py), so two runs on one machine, a
+`make run` or a bench never see each other's locks, sessions, queues or keys.
+"""
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.services import postgres_for_tests, redis_for_tests
+from tests.helpers import netns
+from tests.helpers.services import (
+    own_database,
+    own_redis_database,
+    postgres_for_tests,
+    redis_for_tests,
+)
+
+
+def in_ci(environ: Mapping[str, str]) -> bool:
+    """Whether ``environ`` says this is a CI run: CI=true, 1 or yes (any case)."""
+    return environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
+
 
 #: In CI a capability the machine lacks must fail the run, never skip.
-IN_CI = os.environ.get("CI", "").lower() == "true"
+IN_CI = in_ci(os.environ)
 
 
 @pytest.fixture(scope="session")
-def pg_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A DSN of the server the run uses (its own database is ``pg_dsn``)."""
     with postgres_for_tests(tmp_path_factory.mktemp("postgres")) as dsn:
         yield dsn
 
 
 @pytest.fixture(scope="session")
-def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def pg_dsn(pg_server: str) -> Iterator[str]:
+    """A database of this run's own, dropped at the end."""
+    with own_database(pg_server) as dsn:
+        yield dsn
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A URL of the Redis server the run uses (its own database is ``broker_url``)."""
     with redis_for_tests(tmp_path_factory.mktemp("redis")) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def broker_url(redis_server: str) -> Iterator[str]:
+    """A Redis database of this run's own (never 0, `make run`'s), cleared at the end."""
+    with own_redis_database(redis_server) as own:
+        yield own
 
 
 @pytest.fixture
@@ -36,3 +69,18 @@ def run_id() -> str:
 @pytest.fixture(scope="session")
 def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture
+def guest() -> Iterator[netns.Guest]:
+    """A network namespace of the test's own; a missing capability fails in CI."""
+    why = netns.available()
+    if why is not None:
+        if IN_CI:
+            pytest.fail(f"a network namespace cannot be made here: {why}")
+        pytest.skip(why)
+    host = netns.Guest()
+    host.destroy()  # a leftover of a crashed run of ours, by the same name
+    host.create()
+    yield host
+    host.destroy()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -14,13 +13,9 @@ from pathlib import Path
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from tests.helpers.services import free_port
+
 PGBOUNCER = "/usr/sbin/pgbouncer"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -33,7 +28,7 @@ def pgbouncer(dsn: str, pool_mode: str, pool_size: int = 1) -> Iterator[str]:
     workdir = Path(tempfile.mkdtemp(prefix="adv-pgbouncer-"))
     os.chmod(workdir, 0o777)
     params = conninfo_to_dict(dsn)
-    port = _free_port()
+    port = free_port()
     user = str(params.get("user") or "postgres")
     dbname = str(params.get("dbname") or user)
     (workdir / "users.txt").write_text(f'"{user}" ""\n')

@@ -76,6 +76,12 @@ def wait_step(tenant_id: str, table: str, seconds: float = 0.0) -> dict[str, Any
     return _run(table, seconds)
 
 
+@app.task(base=TenantLockedTask, reject_on_worker_lost=False)
+def hold(tenant_id: str, table: str, seconds: float) -> dict[str, Any]:
+    """Like step, but a killed run is not redelivered: the test that kills it owns it."""
+    return _run(table, seconds)
+
+
 @app.task(base=TenantLockedTask, lock_mode="wait", lock_timeout=0.5)
 def wait_briefly(tenant_id: str, table: str) -> dict[str, Any]:
     return _run(table, 0)
@@ -83,6 +89,11 @@ def wait_briefly(tenant_id: str, table: str) -> dict[str, Any]:
 
 @app.task(base=TenantLockedTask, lock_mode="retry", lock_retry_countdown=0.2, max_retries=50)
 def retry_step(tenant_id: str, table: str) -> dict[str, Any]:
+    return _run(table, 0)
+
+
+@app.task(base=TenantLockedTask, lock_mode="retry", lock_retry_countdown=0.1, max_retries=2)
+def retry_briefly(tenant_id: str, table: str) -> dict[str, Any]:
     return _run(table, 0)
 
 
@@ -108,6 +119,9 @@ def retry_self(self: TenantLockedTask, tenant_id: str, table: str) -> dict[str, 
             if seen and seen[0]:
                 break
             time.sleep(0.02)
+        # Leaving the body now: recorded through a connection of its own, the lock's
+        # having been revoked when the retry released the lock.
+        conn.execute(f"UPDATE {table} SET finished = clock_timestamp() WHERE id = %s", (run_id,))
     raise retry
 
 

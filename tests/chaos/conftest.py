@@ -11,13 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 from celery import Celery
 
-from tests.conftest import IN_CI
-from tests.helpers import netns
 from tests.helpers.history import create_history, drop_history
+from tests.helpers.leftovers import leftovers
 from tests.helpers.services import EmbeddedPostgres, EmbeddedRedis, wait_until
 from tests.helpers.workers import Worker
 
@@ -31,18 +29,8 @@ def chaos_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedPostg
     server.init()
     server.start()
     yield server
-    wait_until(lambda: _leftovers(server.dsn) == (0, 0), 15, "chaos lock sessions to go")
+    wait_until(lambda: leftovers(server.dsn) == (0, 0), 15, "chaos lock sessions to go")
     server.destroy()
-
-
-def _leftovers(dsn: str) -> tuple[int, int]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT (SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'pglock|%'),"
-            " (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory')"
-        ).fetchone()
-    assert row is not None
-    return int(row[0]), int(row[1])
 
 
 @pytest.fixture(scope="session")
@@ -114,18 +102,3 @@ def history(chaos_pg: EmbeddedPostgres) -> Iterator[str]:
     table = create_history(chaos_pg.dsn)
     yield table
     drop_history(chaos_pg.dsn, table)
-
-
-@pytest.fixture
-def guest() -> Iterator[netns.Guest]:
-    """A network namespace for the partition test; missing capability fails in CI."""
-    why = netns.available()
-    if why is not None:
-        if IN_CI:
-            pytest.fail(f"partition test cannot run: {why}")
-        pytest.skip(why)
-    host = netns.Guest()
-    host.destroy()  # a leftover of a crashed run of ours, by the same name
-    host.create()
-    yield host
-    host.destroy()

@@ -58,6 +58,14 @@ class Guest:
         self.exec_ip("route", "add", "blackhole", f"{HOST_IP}/32")
         _ip("route", "add", "blackhole", f"{GUEST_IP}/32")
 
+    def stop_answering(self) -> None:
+        """This side goes silent: the guest's packets arrive, no reply ever leaves.
+
+        The guest's own sends still succeed, so it sees a host that never answers
+        (rather than the immediate error a blackhole route on its side would give).
+        """
+        _ip("route", "add", "blackhole", f"{GUEST_IP}/32")
+
     def heal(self) -> None:
         self.exec_ip("route", "del", "blackhole", f"{HOST_IP}/32")
         _ip("route", "del", "blackhole", f"{GUEST_IP}/32", check=False)

@@ -6,34 +6,15 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
 from celery import Celery
 
 from pglock_celery import sessions
 from tests.apps.core import app as core_app
 from tests.helpers.history import create_history, drop_history
+from tests.helpers.leftovers import leftovers
 from tests.helpers.services import wait_until
 from tests.helpers.workers import Worker
-
-# Scoped to the tests' own database: a `make run`, a bench or another suite on the same
-# server keeps its sessions and locks in databases of its own.
-LEFTOVERS = """
-SELECT
-  (SELECT count(*) FROM pg_stat_activity
-   WHERE application_name LIKE 'pglock|%' AND pid <> pg_backend_pid()
-     AND datname = current_database()),
-  (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid <> pg_backend_pid()
-     AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
-"""
-
-
-def leftovers(dsn: str) -> tuple[int, int]:
-    """Return (lock sessions, advisory locks) still present on the server."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(LEFTOVERS).fetchone()
-    assert row is not None
-    return int(row[0]), int(row[1])
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 
 import psycopg
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from pglock_celery import LockLost, lock_key, sessions, try_lock
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
+from tests.helpers.services import wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -110,3 +112,101 @@ def test_a_forked_child_does_not_use_its_parents_sessions(pg_dsn: str, run_id: s
     with lock(pg_dsn, f"b:{run_id}") as again:
         assert again.held()
         assert again.connection.info.backend_pid == backend
+
+
+def test_a_closed_handle_is_dead_and_the_holder_gets_a_fresh_one(pg_dsn: str, run_id: str) -> None:
+    with lock(pg_dsn, f"a:{run_id}") as held:
+        with held.connection as first:
+            closed_cursor = first.cursor()
+        assert first.closed
+        with pytest.raises(psycopg.OperationalError, match=CLOSED_HANDLE):
+            closed_cursor.execute("SELECT 1")
+        again = held.connection
+        assert again is not first and again.execute("SELECT 1").fetchone() == (1,)
+        cursor = again.cursor()
+    with pytest.raises(psycopg.OperationalError, match=rf"^lock a:{run_id} {RELEASED}$"):
+        cursor.execute("SELECT 1")
+
+
+CLOSED_HANDLE = r"^this handle of the lock connection was closed$"
+RELEASED = "was released: this connection is closed"
+
+
+def test_what_a_forked_child_does_with_its_parents_sessions(pg_dsn: str, run_id: str) -> None:
+    """The child's hook, run here as a child runs it: copies closed, handles dead, none kept.
+
+    This process owns the sockets alone, so closing them frees the lock on the server:
+    proof that the hook closed them (in a real child, the parent's copies keep them open).
+    """
+    with lock(pg_dsn, f"warm:{run_id}"):
+        pass
+    held = lock(pg_dsn, f"a:{run_id}")
+    assert held.acquire()
+    cursor = held.connection.cursor()
+    guard = sessions._guard
+    sessions._after_fork_in_child()
+    assert sessions.idle_count() == 0
+    assert not sessions._open and sessions._guard is not guard
+    with pytest.raises(
+        psycopg.OperationalError, match=r"^this lock connection belongs to the parent process$"
+    ):
+        cursor.execute("SELECT 1")
+    with psycopg.connect(pg_dsn, autocommit=True) as other:
+        wait_until(
+            lambda: (
+                other.execute(
+                    "SELECT pg_try_advisory_lock(%s)", (lock_key(f"a:{run_id}"),)
+                ).fetchone()
+                == (True,)
+            ),
+            5,
+            "the server to see the closed socket",
+        )
+    with pytest.raises(LockLost):
+        held.release()
+
+
+def test_alive_reads_the_socket_without_taking_what_libpq_is_owed(pg_dsn: str, run_id: str) -> None:
+    """A notification waiting on the socket is life, and psycopg still gets it after."""
+    with lock(pg_dsn, f"a:{run_id}") as held:
+        session = held._session
+        assert session is not None and session.alive()  # nothing arrived: alive
+        conn = held.connection
+        conn.execute(f"LISTEN ch_{run_id}")
+        assert list(conn.notifies(timeout=0.2)) == []  # the handle's waits keep their timeout
+        with psycopg.connect(pg_dsn, autocommit=True) as other:
+            other.execute(f"NOTIFY ch_{run_id}, 'hello'")
+        wait_until(lambda: select.select([session.pgconn.socket], [], [], 0)[0], 5, "the notify")
+        assert session.alive()
+        assert session.alive()  # peeked, not taken: still there
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+        assert [n.payload for n in conn.notifies(timeout=1, stop_after=1)] == ["hello"]
+        with psycopg.connect(pg_dsn, autocommit=True) as other:
+            other.execute("SELECT pg_terminate_backend(%s)", (session.backend_pid,))
+        wait_until(lambda: not session.alive(), 5, "the session to read as dead")
+        with pytest.raises(LockLost):
+            held.release()
+        assert not session.alive()  # closed now, and still dead
+
+
+def test_a_session_discarded_is_forgotten(pg_dsn: str, run_id: str) -> None:
+    with lock(pg_dsn, f"a:{run_id}", strategy="connect") as held:
+        session = held._session
+        assert session in sessions._open
+    assert session not in sessions._open and session is not None and session.closed
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_a_session_waits_cooperatively_only_when_select_is_patched(
+    pg_dsn: str, run_id: str, monkeypatch: pytest.MonkeyPatch, patched: bool
+) -> None:
+    """gevent's own record of what it patched, set as gevent would (eventlet's import
+    would make every later fork of this process warn)."""
+    import gevent.monkey
+
+    if patched:
+        monkeypatch.setitem(gevent.monkey.saved, "select", {})
+    assert sessions._green_select() is patched
+    with lock(pg_dsn, f"a:{run_id}") as held:  # its statements wait the green way, or not
+        assert held.acquired
+        assert held.connection.execute("SELECT pg_sleep(0.05), 1").fetchone() == ("", 1)

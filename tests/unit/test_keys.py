@@ -39,9 +39,11 @@ def test_digest_extremes_stay_inside_bigint(prefix: str, key: int) -> None:
         assert lock_key("anything") == key
 
 
-@pytest.mark.parametrize("bad", [42, b"tenant:42", None, 4.2])
-def test_non_str_names_raise_type_error(bad: object) -> None:
-    with pytest.raises(TypeError, match="must be a str"):
+@pytest.mark.parametrize(
+    ("bad", "kind"), [(42, "int"), (b"tenant:42", "bytes"), (None, "NoneType"), (4.2, "float")]
+)
+def test_non_str_names_raise_type_error_naming_the_type(bad: object, kind: str) -> None:
+    with pytest.raises(TypeError, match=f"^lock name must be a str, not {kind}$"):
         lock_key(bad)  # type: ignore[arg-type]
 
 
@@ -65,6 +67,12 @@ def test_keys_outside_bigint_are_refused(bad: int) -> None:
         check_key(bad)
 
 
-def test_bool_is_not_a_key() -> None:
-    with pytest.raises(TypeError):
-        check_key(True)
+@pytest.mark.parametrize("key", [-(2**63), 2**63 - 1, 0])
+def test_keys_at_the_ends_of_bigint_are_accepted(key: int) -> None:
+    assert check_key(key) == key
+
+
+@pytest.mark.parametrize(("bad", "kind"), [(True, "bool"), ("42", "str"), (4.0, "float")])
+def test_a_key_that_is_not_an_int_raises_type_error_naming_the_type(bad: object, kind: str) -> None:
+    with pytest.raises(TypeError, match=f"^lock key must be an int, not {kind}$"):
+        check_key(bad)  # type: ignore[arg-type]

@@ -94,3 +94,42 @@ def test_unknown_lock_mode_is_a_configuration_error(app: Celery) -> None:
     result = make(app, lock_mode="block").apply((1,))
     assert isinstance(result.result, ConfigurationError)
     assert "lock_mode" in str(result.result)
+
+
+def test_a_staticmethod_or_classmethod_lock_name_gets_the_call_arguments(app: Celery) -> None:
+    class Static(TenantLockedTask):
+        lock_name = staticmethod(lambda tenant_id, **kw: f"static:{tenant_id}")
+
+    class Klass(TenantLockedTask):
+        @classmethod
+        def lock_name(cls, tenant_id: Any, **kw: Any) -> str:  # type: ignore[override]
+            return f"{cls.__name__}:{tenant_id}"
+
+    assert make_with(app, Static).resolve_lock_name((4,), {}) == "static:4"
+    klass = make_with(app, Klass)
+    assert klass.resolve_lock_name((5,), {}) == "step:5"  # the task class, not the base
+
+
+def make_with(app: Celery, base: type[TenantLockedTask]) -> TenantLockedTask:
+    @app.task(base=base, shared=False, name=f"step_{base.__name__}")
+    def step(tenant_id: Any, stage: str = "train", **extra: Any) -> str:
+        return "ran"
+
+    return step  # type: ignore[return-value]
+
+
+def test_a_missing_argument_lists_the_arguments_the_call_has(app: Celery) -> None:
+    @app.task(base=TenantLockedTask, lock_name="tenant:{customer}", shared=False)
+    def bare() -> str:
+        return "ran"
+
+    with pytest.raises(LockNameError, match=r"it has: tenant_id, stage\)$"):
+        make(app, lock_name="tenant:{customer}").resolve_lock_name((1,), {})
+    with pytest.raises(LockNameError, match=r"it has: no arguments\)$"):
+        bare.resolve_lock_name((), {})
+
+
+def test_an_unknown_lock_mode_names_the_modes_there_are(app: Celery) -> None:
+    app.conf.pglock_dsn = "host=127.0.0.1 port=1"
+    result = make(app, lock_mode="block").apply((1,))
+    assert str(result.result).endswith("lock_mode must be one of skip, wait, retry, not 'block'")

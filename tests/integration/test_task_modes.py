@@ -1,0 +1,510 @@
+"""TenantLockedTask's modes and skip results, and wait locks on reused sessions, on real Postgres.
+
+Calls run eagerly (``apply``) in this process: the lock, its session and the
+server are real; only the broker is left out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+
+from pglock_celery import (
+    LockLost,
+    LockTimeout,
+    LockUnavailable,
+    TenantLockedTask,
+    current_lock,
+    lock_key,
+    sessions,
+    try_lock,
+)
+from pglock_celery.config import PglockConfig
+from pglock_celery.inspect import find_holder
+from pglock_celery.lock import AdvisoryLock
+
+
+@pytest.fixture(autouse=True)
+def empty_cache() -> Iterator[None]:
+    sessions.close_idle()
+    yield
+    sessions.close_idle()
+
+
+@pytest.fixture
+def eager_app(pg_dsn: str) -> Celery:
+    app = Celery("modes", set_as_current=False, broker="memory://", backend="cache+memory://")
+    app.conf.update(pglock_dsn=pg_dsn, task_store_eager_result=True)
+    return app
+
+
+def admin(dsn: str, query: str, params: tuple[Any, ...] = ()) -> Any:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(query, params).fetchone()
+    return row[0] if row else None
+
+
+def held_elsewhere(dsn: str, name: str) -> psycopg.Connection[Any]:
+    """A plain session holding ``name``'s lock: another worker, for the call under test."""
+    conn = psycopg.connect(dsn, autocommit=True)
+    conn.execute("SELECT pg_advisory_lock(%s)", (lock_key(name),))
+    return conn
+
+
+# 4: a failed statement on a lost session ---------------------------------------------------
+
+
+def test_a_statement_that_fails_on_a_lost_session_fails_the_call_with_lock_lost(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> None:
+        lock = current_lock()
+        assert lock is not None
+        admin(pg_dsn, "SELECT pg_terminate_backend(%s)", (lock.connection.info.backend_pid,))
+        lock.connection.execute("SELECT 1")  # before any check could have seen the loss
+
+    result = step.apply((run_id,))
+    assert isinstance(result.result, LockLost), repr(result.result)
+    assert str(result.result) == (
+        f"task {step.name}: lock t:{run_id} was lost during the step:"
+        " the lock session failed: it is closed"
+    )
+    assert isinstance(result.result.__cause__, psycopg.OperationalError)
+    assert "terminating connection" in str(result.result.__cause__)
+
+
+# 5: retry mode running out of retries ------------------------------------------------------
+
+
+def test_retry_mode_fails_with_lock_timeout_once_its_retries_run_out(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    ran: list[int] = []
+
+    @eager_app.task(
+        base=TenantLockedTask, lock_name="t:{tenant}", lock_mode="retry", max_retries=2,
+        lock_retry_countdown=0.01, bind=True, shared=False,
+    )  # fmt: skip
+    def step(self: TenantLockedTask, tenant: str) -> None:
+        ran.append(self.request.retries)
+
+    other = held_elsewhere(pg_dsn, f"t:{run_id}")
+    try:
+        result = step.apply((run_id,))
+    finally:
+        other.close()
+    assert isinstance(result.result, LockTimeout), repr(result.result)
+    assert str(result.result) == (
+        f"task {step.name}: lock t:{run_id} was still held after 2 retries"
+    )
+    assert ran == []
+
+
+# 8: what a skipping caller gets -------------------------------------------------------------
+
+
+def test_an_overridden_on_lock_skipped_gives_the_skip_result(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    class Quiet(TenantLockedTask):
+        def on_lock_skipped(self, lock_name, holder, args, kwargs):  # type: ignore[no-untyped-def]
+            return {"busy": lock_name, "by": holder["backend_pid"], "args": list(args), **kwargs}
+
+    @eager_app.task(base=Quiet, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str, stage: str = "x") -> str:
+        return "ran"
+
+    other = held_elsewhere(pg_dsn, f"t:{run_id}")
+    try:
+        result = step.apply((run_id,), {"stage": "train"})
+        holder = other.info.backend_pid
+    finally:
+        other.close()
+    assert result.successful()
+    assert result.result == {
+        "busy": f"t:{run_id}",
+        "by": holder,
+        "args": [run_id],
+        "stage": "train",
+    }
+
+
+def test_without_report_holder_a_skip_names_no_holder(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    eager_app.conf.pglock_report_holder = False
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> str:
+        return "ran"
+
+    with try_lock(f"t:{run_id}", dsn=pg_dsn) as held:
+        assert held.acquired
+        result = step.apply((run_id,))
+    assert result.result == {"skipped": True, "lock": f"t:{run_id}", "holder": None}
+    eager_app.conf.pglock_report_holder = True
+    with try_lock(f"t:{run_id}", dsn=pg_dsn) as held:
+        result = step.apply((run_id,))
+        assert result.result["holder"]["backend_pid"] == held.connection.info.backend_pid
+
+
+# 7: wait mode on reused sessions, and the idle bound ---------------------------------------
+
+
+def reuse_lock(dsn: str, name: str, **options: Any) -> AdvisoryLock:
+    config = PglockConfig(dsn=dsn, strategy="reuse", idle_sessions=options.pop("idle", 2))
+    return AdvisoryLock(name, config=config, **options)
+
+
+def application_name_of(dsn: str, backend: int) -> str:
+    """The application_name the server shows for ``backend``."""
+    name = admin(dsn, "SELECT application_name FROM pg_stat_activity WHERE pid = %s", (backend,))
+    assert name is not None, f"backend {backend} is gone"
+    return str(name)
+
+
+def test_a_wait_with_a_timeout_on_a_cached_session_leaves_neither_timeout_nor_name(
+    pg_dsn: str, run_id: str
+) -> None:
+    with reuse_lock(pg_dsn, f"warm:{run_id}") as warm:
+        backend = warm._session.backend_pid  # type: ignore[union-attr]
+    with reuse_lock(pg_dsn, f"w:{run_id}", wait=True, timeout=5) as waited:
+        assert waited._session.backend_pid == backend  # type: ignore[union-attr]
+        # Named after its holder once granted.
+        assert application_name_of(pg_dsn, backend).endswith(f"|w:{run_id}")
+    assert sessions.idle_count() == 1
+    assert application_name_of(pg_dsn, backend) == f"pglock-idle|{os.getpid()}"
+    with reuse_lock(pg_dsn, f"next:{run_id}") as following:
+        conn = following.connection
+        assert conn.info.backend_pid == backend  # the very session, reused again
+        assert conn.execute("SHOW lock_timeout").fetchone() == ("0",)
+        name = conn.execute("SHOW application_name").fetchone()
+        assert name is not None and name[0].endswith(f"|next:{run_id}")
+
+
+def test_a_wait_that_times_out_on_a_cached_session_leaves_no_timeout_behind(
+    pg_dsn: str, run_id: str
+) -> None:
+    with reuse_lock(pg_dsn, f"warm:{run_id}"):
+        pass
+    other = held_elsewhere(pg_dsn, f"w:{run_id}")
+    try:
+        with pytest.raises(LockTimeout), reuse_lock(pg_dsn, f"w:{run_id}", wait=True, timeout=0.2):
+            pytest.fail("the body ran without the lock")
+    finally:
+        other.close()
+    with reuse_lock(pg_dsn, f"next:{run_id}") as following:
+        conn = following.connection
+        assert conn.execute("SHOW lock_timeout").fetchone() == ("0",)
+    with reuse_lock(pg_dsn, f"w:{run_id}", wait=True) as free:
+        assert free.acquired
+
+
+def idle_sessions_on_server(dsn: str) -> int:
+    return int(
+        admin(
+            dsn,
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE application_name = %s AND datname = current_database()",
+            (f"pglock-idle|{os.getpid()}",),
+        )
+    )
+
+
+@pytest.mark.parametrize("bound", [0, 2])
+def test_a_process_keeps_at_most_idle_sessions_and_closes_the_others(
+    pg_dsn: str, run_id: str, bound: int
+) -> None:
+    held = [reuse_lock(pg_dsn, f"b{n}:{run_id}", idle=bound) for n in range(4)]
+    for lock in held:
+        assert lock.acquire()
+    for lock in held:
+        lock.release()
+    assert sessions.idle_count() == bound
+    assert idle_sessions_on_server(pg_dsn) == bound
+    with reuse_lock(pg_dsn, f"again:{run_id}", idle=bound) as again:
+        assert again.acquired
+    assert sessions.idle_count() == bound
+
+
+# A task's own retry, and what is logged --------------------------------------------------
+
+
+def free_elsewhere(dsn: str, name: str) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_try_advisory_lock(%s)", (lock_key(name),)).fetchone()
+        return bool(row and row[0])
+
+
+def test_a_tasks_own_retry_releases_its_lock_before_the_retry_is_sent(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    seen: dict[str, Any] = {}
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", bind=True, shared=False)
+    def step(self: TenantLockedTask, tenant: str, stage: str = "first") -> str:
+        if stage == "first":
+            retry = self.retry((tenant, "second"), countdown=0, throw=False)
+            seen["args"] = retry.sig.args
+            seen["free"] = free_elsewhere(pg_dsn, f"t:{tenant}")
+        return stage
+
+    step.apply((run_id,))
+    assert seen == {"args": (run_id, "second"), "free": True}
+
+
+def test_an_inline_calls_retry_leaves_its_callers_hold_alone(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", bind=True, shared=False)
+    def inner(self: TenantLockedTask, tenant: str) -> None:
+        self.retry(countdown=0, throw=False)
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def outer(tenant: str) -> tuple[bool, bool]:
+        retried = inner.apply((tenant,)).successful()  # runs under this call's hold
+        lock = current_lock()
+        held = lock is not None and lock.held() and not free_elsewhere(pg_dsn, f"t:{tenant}")
+        return retried, held
+
+    assert outer.apply((run_id,)).get() == (True, True)
+
+
+def test_a_retry_after_the_lock_was_lost_logs_the_loss_and_still_retries(
+    eager_app: Celery, pg_dsn: str, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: dict[str, Any] = {}
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", bind=True, shared=False)
+    def step(self: TenantLockedTask, tenant: str) -> None:
+        lock = current_lock()
+        assert lock is not None
+        admin(pg_dsn, "SELECT pg_terminate_backend(%s)", (lock.connection.info.backend_pid,))
+        seen["retry"] = self.retry(countdown=0, throw=False)
+        seen["id"] = self.request.id
+
+    step.apply((run_id,))
+    assert seen["retry"] is not None
+    [record] = [r for r in caplog.records if "before retrying" in r.getMessage()]
+    assert record.levelname == "WARNING"
+    assert record.getMessage().startswith(f"lock t:{run_id}: the session failed at release")
+    assert record.getMessage().endswith(f"(before retrying task {step.name})")
+    assert (record.lock, record.task_id) == (f"t:{run_id}", seen["id"])  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("report", [True, False])
+def test_a_skip_is_logged_with_its_holder_and_the_call(
+    eager_app: Celery, pg_dsn: str, run_id: str, caplog: pytest.LogCaptureFixture, report: bool
+) -> None:
+    eager_app.conf.pglock_report_holder = report
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> str:
+        return "ran"
+
+    with try_lock(f"t:{run_id}", dsn=pg_dsn) as held, caplog.at_level("INFO"):
+        result = step.apply((run_id,))
+        shown = admin(
+            pg_dsn,
+            "SELECT application_name FROM pg_stat_activity WHERE pid = %s",
+            (held.connection.info.backend_pid,),
+        )
+    [record] = [r for r in caplog.records if r.getMessage().endswith("skipped")]
+    holder = shown if report else "unknown"
+    assert record.getMessage() == (
+        f"lock t:{run_id} is held by {holder}: task {step.name}[{result.id}] skipped"
+    )
+    assert (record.lock, record.task_id) == (f"t:{run_id}", result.id)  # type: ignore[attr-defined]
+    assert record.holder == result.result["holder"]  # type: ignore[attr-defined]
+
+
+# The call's own options reach the lock -----------------------------------------------------
+
+
+def test_keyword_arguments_reach_the_body_directly_and_under_a_callers_hold(
+    eager_app: Celery, run_id: str
+) -> None:
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def inner(tenant: str, stage: str = "default") -> str:
+        return stage
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def outer(tenant: str, stage: str = "default") -> tuple[str, str]:
+        return stage, inner(tenant, stage="inline")
+
+    assert outer.apply((run_id,), {"stage": "given"}).get() == ("given", "inline")
+
+
+def release_after(conn: psycopg.Connection[Any], seconds: float) -> threading.Thread:
+    def release() -> None:
+        time.sleep(seconds)
+        conn.close()
+
+    thread = threading.Thread(target=release)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize(("timeout", "outcome"), [(0.3, "timeout"), (10, "ran")])
+def test_wait_mode_waits_up_to_its_lock_timeout(
+    eager_app: Celery, pg_dsn: str, run_id: str, timeout: float, outcome: str
+) -> None:
+    @eager_app.task(
+        base=TenantLockedTask, lock_name="t:{tenant}", lock_mode="wait", lock_timeout=timeout,
+        shared=False,
+    )  # fmt: skip
+    def step(tenant: str) -> str:
+        return "ran"
+
+    other = held_elsewhere(pg_dsn, f"t:{run_id}")
+    thread = release_after(other, 1.0)
+    started = time.monotonic()
+    result = step.apply((run_id,))
+    took = time.monotonic() - started
+    thread.join()
+    if outcome == "timeout":
+        assert isinstance(result.result, LockTimeout), repr(result.result)
+        assert took < 0.9
+    else:
+        assert result.result == "ran" and took >= 0.9
+
+
+def test_the_holder_report_names_the_call_that_holds_the_lock(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> Any:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            holder = find_holder(conn, lock_key(f"t:{tenant}"))
+        assert holder is not None
+        return holder.task_id
+
+    result = step.apply((run_id,))
+    assert result.result == result.id
+
+
+def test_autoretry_for_a_lock_error_retries_then_fails_with_it(
+    eager_app: Celery, run_id: str
+) -> None:
+    eager_app.conf.pglock_dsn = "host=127.0.0.1 port=1 user=nobody dbname=none"
+    retries: list[str] = []
+
+    class Counting(TenantLockedTask):
+        def on_retry(self, exc, task_id, args, kwargs, einfo):  # type: ignore[no-untyped-def]
+            retries.append(type(exc).__name__)
+
+    @eager_app.task(
+        base=Counting, lock_name="t:{tenant}", autoretry_for=(LockUnavailable,),
+        retry_kwargs={"countdown": 0, "max_retries": 2}, max_retries=5, shared=False,
+    )  # fmt: skip
+    def step(tenant: str) -> str:
+        return "ran"
+
+    result = step.apply((run_id,))
+    assert isinstance(result.result, LockUnavailable), repr(result.result)
+    assert "127.0.0.1:1" in str(result.result)
+    assert retries == ["LockUnavailable", "LockUnavailable"]
+
+
+def test_a_skip_drops_the_calls_callbacks_and_a_run_keeps_them(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    eager_app.conf.task_always_eager = True  # callbacks are sent: run them here
+    called: list[str] = []
+
+    @eager_app.task(shared=False)
+    def follow(label: str) -> None:
+        called.append(label)
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> str:
+        return "ran"
+
+    with try_lock(f"t:{run_id}", dsn=pg_dsn):
+        assert step.apply((run_id,), link=follow.si("after a skip")).result["skipped"]
+    assert step.apply((run_id,), link=follow.si("after a run")).result == "ran"
+    assert called == ["after a run"]
+
+
+def test_a_retry_while_held_is_logged_with_its_countdown(
+    eager_app: Celery, pg_dsn: str, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    @eager_app.task(
+        base=TenantLockedTask, lock_name="t:{tenant}", lock_mode="retry", max_retries=0,
+        lock_retry_countdown=0.25, shared=False,
+    )  # fmt: skip
+    def step(tenant: str) -> str:
+        return "ran"
+
+    with try_lock(f"t:{run_id}", dsn=pg_dsn) as held, caplog.at_level("INFO"):
+        result = step.apply((run_id,))
+        shown = admin(
+            pg_dsn,
+            "SELECT application_name FROM pg_stat_activity WHERE pid = %s",
+            (held.connection.info.backend_pid,),
+        )
+    [record] = [r for r in caplog.records if "retries in" in r.getMessage()]
+    assert record.getMessage() == (
+        f"lock t:{run_id} is held by {shown}: task {step.name}[{result.id}] retries in 0.25 s"
+    )
+    assert (record.lock, record.task_id) == (f"t:{run_id}", result.id)  # type: ignore[attr-defined]
+
+
+def test_the_retry_countdown_falls_back_to_the_setting(
+    eager_app: Celery, pg_dsn: str, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    eager_app.conf.pglock_retry_countdown = 0.75
+
+    @eager_app.task(
+        base=TenantLockedTask, lock_name="t:{tenant}", lock_mode="retry", max_retries=0,
+        shared=False,
+    )  # fmt: skip
+    def step(tenant: str) -> str:
+        return "ran"
+
+    with try_lock(f"t:{run_id}", dsn=pg_dsn), caplog.at_level("INFO"):
+        step.apply((run_id,))
+    assert any(r.getMessage().endswith("retries in 0.75 s") for r in caplog.records)
+
+
+def test_on_lost_terminate_ends_the_process_with_status_70(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    """Run in a forked child, which the reaction ends; the parent reads its status and log."""
+    eager_app.conf.update(pglock_on_lost="terminate", pglock_check_interval=0.1)
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str, lose: bool = True) -> str:
+        lock = current_lock()
+        assert lock is not None
+        if lose:
+            lock.connection.execute("SELECT pg_advisory_unlock_all()")
+            time.sleep(5)
+        return "ran"
+
+    assert step.apply((f"{run_id}-kept", False)).get() == "ran"  # the process lives on
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        os.close(read)
+        handler = logging.StreamHandler(os.fdopen(write, "w"))
+        logging.getLogger("pglock_celery").addHandler(handler)
+        try:
+            step.apply((run_id,), task_id=f"task-{run_id}")
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as logged:
+        log = logged.read()
+    _, status = os.waitpid(child, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 70, (status, log)
+    assert f"so that task {step.name}[task-{run_id}] stops" in log
