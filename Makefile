@@ -27,7 +27,7 @@ $(OLDEST_STAMP): pyproject.toml .ci/oldest.txt
 	$(PYTHON) -m venv $(OLDEST)
 	$(OLDEST)/bin/python -m pip install --quiet --upgrade pip
 	$(OLDEST)/bin/python -m pip install --quiet -c .ci/oldest.txt -e '.[redis,binary]' \
-		pytest pytest-timeout hypothesis django pyyaml psutil flower
+		pytest pytest-timeout hypothesis django pyyaml psutil flower rich
 	touch $(OLDEST_STAMP)
 
 # Options: make run ARGS="--tenants 20 --replicas 3 --duration 60 --fast --chaos"

@@ -153,6 +153,19 @@ def _marker() -> redis.Redis:
 
 
 @app.task(base=TenantLockedTask)
+def hold_until(tenant_id: str, table: str, marker: str) -> dict[str, Any]:
+    """Record a run that holds its lock until the test sets ``marker`` (60 s at most)."""
+    run_id = _record_start(table)
+    lock = current_lock()
+    assert lock is not None
+    deadline = time.monotonic() + 60
+    while not _marker().exists(marker) and time.monotonic() < deadline:
+        lock.sleep(0.05)
+    _record_end(table, run_id)
+    return {"ran": True, "pid": os.getpid(), "run": run_id}
+
+
+@app.task(base=TenantLockedTask)
 def mark(tenant_id: str, marker: str) -> str:
     """Set a Redis key: proof that the body ran."""
     _marker().set(marker, "ran")

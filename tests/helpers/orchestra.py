@@ -89,6 +89,21 @@ class Orchestra:
         with self.connect() as conn:
             return summarize(conn)
 
+    def skips(self) -> int:
+        """Steps that found their tenant locked by another replica, all replicas together."""
+        by_node, _ = skip_keys(self.queue)
+        counts = redis.Redis.from_url(self.env["ORCH_RESULT_BACKEND"]).hvals(by_node)
+        return sum(int(count) for count in counts)
+
+    def contended_tenants(self) -> int:
+        """Tenants whose steps ran on more than one replica."""
+        with self.connect() as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM (SELECT tenant_id FROM step_history"
+                " GROUP BY tenant_id HAVING count(DISTINCT worker) > 1) AS shared"
+            ).fetchone()
+        return int(row[0]) if row else 0
+
     def cycles(self) -> dict[str, int]:
         with self.connect() as conn:
             return dict(

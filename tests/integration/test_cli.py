@@ -43,7 +43,8 @@ def test_locks_lists_real_holders_with_name_key_task_and_pid(
 ) -> None:
     short = f"{run_id}-cli"
     long = f"{run_id}-" + "x" * 60  # its application_name is cut at 63 bytes
-    calls = {tenant: core.step.delay(tenant, history, 4) for tenant in (short, long)}
+    release = f"cli-release-{run_id}"
+    calls = {tenant: core.hold_until.delay(tenant, history, release) for tenant in (short, long)}
 
     def both_started() -> list[Run] | None:
         rows = read_history(pg_dsn, history)
@@ -67,6 +68,7 @@ def test_locks_lists_real_holders_with_name_key_task_and_pid(
     print("\n" + table.stdout)
     assert f"tenant:{short}" in table.stdout and "…" in table.stdout
     assert "-12345" not in table.stdout  # filtered out by --prefix
+    core._marker().set(release, "go", ex=300)  # the steps hold until now, however slow
     for call in calls.values():
         assert call.get(timeout=30)["ran"]
 

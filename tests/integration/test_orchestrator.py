@@ -57,23 +57,38 @@ def assert_clean(orc: Orchestra) -> None:
     assert mismatched == []
 
 
+#: As a real fleet meets: a download outlasts the scan interval, so the next scan sends
+#: the tenant again while its step runs, and that copy finds the tenant locked.
+CONTENDED = {"ORCH_DOWNLOAD_SECONDS": "1.5"}
+
+
 def test_three_replicas_and_beat_drive_ten_tenants_through_two_cycles(orchestra: Factory) -> None:
-    orc = orchestra()
+    orc = orchestra(**CONTENDED)
     orc.seed(10)
     orc.replicas(3)
     orc.beat()
     wait_for_cycles(orc, 2, 120)
     assert_clean(orc)
+    assert_replicas_competed(orc)
 
 
 def test_two_beats_at_once_cost_only_skips(orchestra: Factory) -> None:
-    orc = orchestra()
+    orc = orchestra(**CONTENDED)
     orc.seed(10)
     orc.replicas(3)
     orc.beat()
     orc.beat()
     wait_for_cycles(orc, 2, 120)
     assert_clean(orc)
+    assert_replicas_competed(orc)
+
+
+def assert_replicas_competed(orc: Orchestra) -> None:
+    """0 overlaps means something only if replicas met on a tenant: skips, shared tenants."""
+    skips, contended = orc.skips(), orc.contended_tenants()
+    print(f"\n{skips} skips; {contended} tenants ran steps on more than one replica")
+    assert skips > 0, "no step ever found its tenant locked: 0 overlaps proves nothing"
+    assert contended > 0, "no tenant ever moved between replicas"
 
 
 def test_a_replica_killed_mid_step_hands_its_tenant_to_the_others(orchestra: Factory) -> None:

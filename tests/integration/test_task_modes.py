@@ -123,12 +123,10 @@ def test_an_overridden_on_lock_skipped_gives_the_skip_result(
     def step(tenant: str, stage: str = "x") -> str:
         return "ran"
 
-    other = held_elsewhere(pg_dsn, f"t:{run_id}")
-    try:
+    with try_lock(f"t:{run_id}", dsn=pg_dsn) as other:  # a holder that names its session
+        assert other.acquired
         result = step.apply((run_id,), {"stage": "train"})
-        holder = other.info.backend_pid
-    finally:
-        other.close()
+        holder = other._session.backend_pid  # type: ignore[union-attr]
     assert result.successful()
     assert result.result == {
         "busy": f"t:{run_id}",

@@ -30,6 +30,7 @@ SCOPE = (
     "pglock_celery.keys.*",
     "pglock_celery.config.*",
     "pglock_celery.sessions.*",
+    "pglock_celery.lock_session.*",
     *(
         f"pglock_celery.task.xǁTenantLockedTaskǁ{method}__mutmut_*"
         for method in (

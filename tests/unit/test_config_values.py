@@ -65,7 +65,7 @@ def test_every_spelling_of_false_is_false(raw: str) -> None:
         ("application_name", "x" * 17, "must be 1 to 16 ASCII characters without '|'"),
         ("keepalives_idle", "0", "must be a whole number greater than 0"),
         ("on_lost", "ignore", "must be 'raise' or 'terminate'"),
-        ("strategy", "pool", "must be 'connect' or 'reuse'"),
+        ("strategy", "pool", "must be 'connect', 'reuse' or 'shared'"),
         ("pooler", "transaction", "must be 'none' or 'session'"),
         ("idle_sessions", "-1", "must be a whole number, 0 or more"),
         ("report_holder", "maybe", "must be true or false"),
@@ -94,7 +94,8 @@ def test_a_bad_environment_value_is_named_as_the_variable() -> None:
     with pytest.warns(RuntimeWarning) as caught:
         load_config({}, environ={"PGLOCK_STRATEGY": "pool"})
     assert [str(w.message) for w in caught] == [
-        "ignoring PGLOCK_STRATEGY='pool': must be 'connect' or 'reuse'; using the default 'reuse'"
+        "ignoring PGLOCK_STRATEGY='pool': must be 'connect', 'reuse' or 'shared';"
+        " using the default 'reuse'"
     ]
 
 

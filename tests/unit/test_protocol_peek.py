@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pglock_celery.sessions import _message_types
+from pglock_celery.lock_session import _message_types
 
 
 def message(kind: bytes, body: bytes) -> bytes:
