@@ -18,18 +18,18 @@ from tests.helpers.rabbitmq import delete_queues, rabbitmq_for_tests
 from tests.helpers.workers import Worker
 from tests.integration.test_workers import (
     test_retry_mode_retries_while_held_and_runs_once_free,
-    test_sigkill_of_the_holding_child_frees_the_lock_within_a_second,
+    test_sigkill_of_the_holding_child_frees_the_lock_within_100_ms,
     test_two_prefork_workers_never_overlap_on_a_tenant,
+    test_wait_mode_makes_the_second_call_wait_then_run,
     test_wait_mode_raises_lock_timeout_after_lock_timeout,
-    test_wait_mode_runs_both_calls_one_after_the_other,
 )
 
 __all__ = [
     "test_retry_mode_retries_while_held_and_runs_once_free",
-    "test_sigkill_of_the_holding_child_frees_the_lock_within_a_second",
+    "test_sigkill_of_the_holding_child_frees_the_lock_within_100_ms",
     "test_two_prefork_workers_never_overlap_on_a_tenant",
+    "test_wait_mode_makes_the_second_call_wait_then_run",
     "test_wait_mode_raises_lock_timeout_after_lock_timeout",
-    "test_wait_mode_runs_both_calls_one_after_the_other",
 ]
 
 
