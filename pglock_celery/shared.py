@@ -25,6 +25,7 @@ import psycopg
 
 from . import sessions
 from .config import PglockConfig
+from .connection import application_name, apply_settings
 from .exceptions import LockLost, LockTimeout, LockUnavailable
 from .lock_session import LockSession
 from .monitor import Hold, one_line
@@ -61,9 +62,7 @@ def shared_name(prefix: str) -> str:
 
     It holds many locks, so it names none; ``locks`` still shows its pid and host.
     """
-    from .connection import FIELD_SEPARATOR, application_name
-
-    return application_name(f"{prefix}-shared", "", None).rstrip(FIELD_SEPARATOR) + FIELD_SEPARATOR
+    return application_name(f"{prefix}-shared", "", None)
 
 
 def acquire(
@@ -206,8 +205,6 @@ def _reset(session: LockSession, hold: Hold) -> None:
         session.conn.execute(_RESET.format(held=held))
         session.forget_prepared()
         if session.pooled:  # its settings came from set_config, which RESET ALL undid
-            from .connection import apply_settings
-
             apply_settings(session.conn, hold.config, session.token)
     except psycopg.Error as exc:
         fail(session, f"the lock session failed: {one_line(exc)}")
