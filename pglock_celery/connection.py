@@ -108,8 +108,15 @@ def application_name(prefix: str, lock: str, task_id: str | None, host: str | No
     host too long for the rest is cut and ends with ``~``; the name is encoded
     by :func:`encode_name`.
     """
+    return _application_name(prefix, lock, task_id, host, os.getpid())
+
+
+@functools.lru_cache(maxsize=1024)
+def _application_name(
+    prefix: str, lock: str, task_id: str | None, host: str | None, pid: int
+) -> str:
     host = host if host is not None else _hostname()
-    head = FIELD_SEPARATOR.join((prefix, str(os.getpid()), compact_task_id(task_id)))
+    head = FIELD_SEPARATOR.join((prefix, str(pid), compact_task_id(task_id)))
     room = APPLICATION_NAME_MAX_BYTES - len(head) - 2  # two separators around the host
     if len(host.encode()) > room:
         host = host.encode()[: max(room - 1, 0)].decode(errors="ignore") + CUT_HOST_MARK

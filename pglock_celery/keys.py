@@ -1,11 +1,17 @@
-"""Lock names -> signed 64-bit advisory lock keys."""
+"""Lock names -> signed 64-bit advisory lock keys, and what a name or a wait may be."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import math
+
+from .exceptions import LockNameError
 
 _BIGINT_MAX = 2**63 - 1
 _UINT32_MASK = 0xFFFFFFFF
+#: The longest wait Postgres' lock_timeout takes, in seconds.
+MAX_TIMEOUT = (2**31 - 1) / 1000
 
 
 def lock_key(name: str) -> int:
@@ -23,6 +29,10 @@ def lock_key(name: str) -> int:
     if key > _BIGINT_MAX:
         key -= 2**64
     return key
+
+
+#: lock_key() for names met again and again (a tenant's every step).
+cached_lock_key = functools.lru_cache(maxsize=4096)(lock_key)
 
 
 def key_to_lock_fields(key: int) -> tuple[int, int]:
@@ -48,3 +58,30 @@ def check_key(key: int) -> int:
     if not -(2**63) <= key <= _BIGINT_MAX:
         raise ValueError(f"lock key {key} is outside the signed 64-bit range")
     return key
+
+
+def check_lock_name(name: str) -> str:
+    """Return ``name`` if it can name a lock, else raise LockNameError saying why."""
+    if not isinstance(name, str):
+        raise LockNameError(f"a lock name must be a str, not {type(name).__name__}")
+    if not name:
+        raise LockNameError("a lock name may not be empty")
+    if "\x00" in name:
+        raise LockNameError(f"lock name {name!r} holds a NUL character, which Postgres refuses")
+    return name
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    """Return a wait timeout in seconds if Postgres can apply it, else raise ValueError."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ValueError(f"lock timeout must be a number of seconds, not {timeout!r}")
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"lock timeout must be 0 or more seconds, got {timeout!r}")
+    if timeout > MAX_TIMEOUT:
+        raise ValueError(
+            f"lock timeout must be at most {MAX_TIMEOUT:.0f} s (Postgres' lock_timeout), "
+            f"got {timeout!r}; use None to wait without a bound"
+        )
+    return float(timeout)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import os
 import weakref
 from collections.abc import Iterator
@@ -25,67 +24,17 @@ from typing import Any
 import psycopg
 from celery import current_app
 from celery._state import get_current_task
-from psycopg import errors as pg_errors
-from psycopg.pq import TransactionStatus
 
-from . import sessions, shared
+from . import protocol, sessions, shared
 from .config import PglockConfig, get_config
 from .connection import application_name, idle_name, open_session
-from .exceptions import LockLost, LockNameError, LockTimeout, LockUnavailable, PglockError
+from .exceptions import LockLost, LockUnavailable, PglockError
 from .inspect import NAMED_HOLDER, Holder, named_holder, named_holder_params
-from .keys import check_key, lock_key
+from .keys import cached_lock_key, check_key, check_lock_name, check_timeout
 from .lock_session import LockSession
 from .monitor import Hold, LossHandler, abandoned, free_abandoned, one_line, scheduler
 
 logger = logging.getLogger("pglock_celery.lock")
-
-#: The session setting where a lock session records the keys it holds, as
-#: ``,key,``; guarded tables read it instead of pg_locks (see guard.py).
-HELD_SETTING = "pglock.held"
-
-# A held lock is taken twice (its count is 2), so that a check can unlock it once
-# and take it again without letting it go: "still held" in O(1), never from pg_locks.
-# Statements are bytes for libpq, prepared per session under these names.
-
-# Tries the lock only on the session's own backend (its token in force) holding
-# nothing of an earlier holder's (NULL otherwise: a pooler moved it); if it got it,
-# takes it a second time, names the session after its holder and records the key.
-_TRY = (
-    b"pglock_try",
-    b"SELECT got, pg_backend_pid(), CASE WHEN got THEN"
-    b" set_config('application_name', $1, false) || set_config('pglock.held', $2, false)"
-    b" || pg_try_advisory_lock($4::int8)::text END"
-    b" FROM (SELECT CASE WHEN current_setting('pglock.session', true) = $3"
-    b" AND coalesce(current_setting('pglock.held', true), '') = ''"
-    b" THEN pg_try_advisory_lock($4::int8) END AS got) AS attempt",
-)
-# The same proof before waiting: '' once granted, NULL when not on its own backend.
-_WAIT = (
-    b"pglock_wait",
-    b"SELECT CASE WHEN current_setting('pglock.session', true) = $1"
-    b" AND coalesce(current_setting('pglock.held', true), '') = ''"
-    b" THEN pg_advisory_lock($2::int8)::text END",
-)
-_SET_TIMEOUT = (
-    b"pglock_set_timeout",
-    b"SELECT current_setting('lock_timeout'), set_config('lock_timeout', $1, false)",
-)
-# NULL leaves lock_timeout as it is; else the value it had before the wait.
-_AFTER_WAIT = (
-    b"pglock_after_wait",
-    b"SELECT pg_backend_pid(), set_config('application_name', $1, false),"
-    b" set_config('pglock.held', $2, false), pg_try_advisory_lock($4::int8),"
-    b" set_config('lock_timeout', coalesce($3::text, current_setting('lock_timeout')), false)",
-)
-# Free at once (the session closes right after, but its end is not waited for).
-_UNLOCK = (b"pglock_unlock", b"SELECT pg_advisory_unlock($1::int8), pg_advisory_unlock_all()")
-# Back to the cache: no advisory lock of the holder's may stay, nor its name.
-_UNLOCK_FOR_REUSE = (
-    b"pglock_unlock_reuse",
-    b"SELECT pg_advisory_unlock($1::int8), pg_advisory_unlock_all(),"
-    b" set_config('application_name', $2, false), set_config('pglock.held', '', false)",
-)
-MAX_TIMEOUT = (2**31 - 1) / 1000
 
 _current: ContextVar[AdvisoryLock | None] = ContextVar("pglock_current_lock", default=None)
 
@@ -100,37 +49,6 @@ def current_lock() -> AdvisoryLock | None:
     if lock is None or not lock.acquired:
         return None
     return lock
-
-
-def _int(value: bytes | None) -> int | None:
-    return int(value) if value is not None else None
-
-
-def check_lock_name(name: str) -> str:
-    """Return ``name`` if it can name a lock, else raise LockNameError saying why."""
-    if not isinstance(name, str):
-        raise LockNameError(f"a lock name must be a str, not {type(name).__name__}")
-    if not name:
-        raise LockNameError("a lock name may not be empty")
-    if "\x00" in name:
-        raise LockNameError(f"lock name {name!r} holds a NUL character, which Postgres refuses")
-    return name
-
-
-def check_timeout(timeout: float | None) -> float | None:
-    """Return a wait timeout in seconds if Postgres can apply it, else raise ValueError."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise ValueError(f"lock timeout must be a number of seconds, not {timeout!r}")
-    if math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"lock timeout must be 0 or more seconds, got {timeout!r}")
-    if timeout > MAX_TIMEOUT:
-        raise ValueError(
-            f"lock timeout must be at most {MAX_TIMEOUT:.0f} s (Postgres' lock_timeout), "
-            f"got {timeout!r}; use None to wait without a bound"
-        )
-    return float(timeout)
 
 
 def _abandon(session: LockSession, hold: Hold | None, label: str) -> None:
@@ -173,7 +91,7 @@ class AdvisoryLock:
     ) -> None:
         if isinstance(name_or_key, str):
             self.name: str | None = check_lock_name(name_or_key)
-            self.key: int = lock_key(name_or_key)
+            self.key: int = cached_lock_key(name_or_key)
         else:
             self.name = None
             self.key = check_key(name_or_key)
@@ -321,46 +239,13 @@ class AdvisoryLock:
         return session
 
     def _lock_on(self, session: LockSession) -> bool:
-        """Take the lock on ``session`` (a fresh or a cached one); return whether granted."""
-        key = str(self.key).encode()
-        name = self.application_name.encode()
-        held = b"," + key + b","
-        if not self._wait:
-            result = session.query(*_TRY, (name, held, session.token.encode(), key))
-            got = result.get_value(0, 0)
-            if got is None:
-                raise self._moved(session, _int(result.get_value(0, 1)))
-            self._check_backend(session, _int(result.get_value(0, 1)))
-            return got == b"t"
-        with session.guard:
-            restore = None
-            if self._timeout is not None:
-                # lock_timeout = 0 means "forever" to Postgres: wait at least 1 ms.
-                millis = max(1, round(self._timeout * 1000))
-                restore = session.query(*_SET_TIMEOUT, (b"%dms" % millis,)).get_value(0, 0)
-            try:
-                waited = session.query(*_WAIT, (session.token.encode(), key))
-            except pg_errors.LockNotAvailable:
-                raise LockTimeout(
-                    f"lock {self.label} not obtained within {self._timeout:g} s"
-                ) from None
-            if waited.get_value(0, 0) is None:
-                raise self._moved(session, None)
-            result = session.query(*_AFTER_WAIT, (name, held, restore, key))
-        self._check_backend(session, _int(result.get_value(0, 0)))
-        return True
-
-    def _check_backend(self, session: LockSession, backend_pid: int | None) -> None:
-        if backend_pid != session.backend_pid:
-            raise self._moved(session, backend_pid)
-
-    def _moved(self, session: LockSession, backend_pid: int | None) -> LockUnavailable:
-        """The error for a lock statement that did not run on the session's own backend."""
-        return LockUnavailable(
-            f"lock {self.label}: the lock statement did not run on the session's own "
-            f"backend {session.backend_pid} (it ran on {backend_pid or 'another'}, without "
-            "this session's token, or with an earlier holder's lock): a pooler moved the "
-            "session, so it fails closed"
+        return protocol.lock_on(
+            session,
+            self.key,
+            self.application_name,
+            self.label,
+            wait=self._wait,
+            timeout=self._timeout,
         )
 
     def holder(self) -> Holder | None:
@@ -420,10 +305,10 @@ class AdvisoryLock:
         hold = self._hold
         if hold is None:
             raise LockLost(f"lock {self.label} is not held")
-        if hold.changed.wait(seconds) and hold.lost is not None:
+        if hold.wait(seconds) and hold.lost is not None:
             raise LockLost(f"lock {self.label} was lost: {hold.lost}")
 
-    def release(self, reusable: bool = True) -> None:
+    def release(self, reusable: bool = True, *, confirm: bool = False) -> None:
         """Unlock and let the session go; idempotent.
 
         Every handle given to the holder is revoked first. An open transaction
@@ -432,8 +317,11 @@ class AdvisoryLock:
         or a failed session). A session goes back to this process's cache
         (strategy ``reuse``) only when ``reusable``, the unlock returned true
         and nothing else is in doubt; otherwise it is closed, which would free
-        the lock anyway. In a forked child nothing is sent: the session is the
-        parent's.
+        the lock anyway. Going back, its unlock is sent without waiting, and a
+        loss it shows is reported later (see protocol.py); the server frees the
+        lock as it reads it. With ``confirm`` the release returns only once the
+        lock is free: for work handed on that must be able to take it at once.
+        In a forked child nothing is sent: the session is the parent's.
         """
         session, hold = self._session, self._hold
         self._session = self._hold = None
@@ -454,52 +342,9 @@ class AdvisoryLock:
             if hold is not None:
                 shared.release(session, hold, self.label)
             return  # the session stays, for the process's other locks
-        keep = False
-        try:
-            if hold is None:
-                keep = self._reuse and reusable  # nothing was taken on this session
-                return
-            keep = self._unlock(session, hold) and self._reuse and reusable
-            if keep and session.handed_out:
-                try:
-                    session.conn.execute("DISCARD ALL")  # the holder's server state goes
-                    session.forget_prepared()
-                except psycopg.Error:
-                    keep = False
-        finally:
-            if not (keep and sessions.give_back(self.config, session)):
-                sessions.discard(session)
-
-    def _unlock(self, session: LockSession, hold: Hold) -> bool:
-        """Unlock; return whether the session may be used again, or raise LockLost."""
-        session.revoke(f"lock {self.label} was released: this connection is closed")
-        clean = True
-        try:
-            with session.guard:
-                status = session.pgconn.transaction_status
-                if status not in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
-                    if status == TransactionStatus.ACTIVE:
-                        # A statement still runs (another thread of the holder):
-                        # closing the session is the only clean way out.
-                        return False
-                    session.conn.rollback()
-                    clean = False
-                key = str(self.key).encode()
-                if self._reuse:
-                    idle = idle_name(self.config.application_name).encode()
-                    unlocked = session.query(*_UNLOCK_FOR_REUSE, (key, idle)).get_value(0, 0)
-                else:
-                    unlocked = session.query(*_UNLOCK, (key,)).get_value(0, 0)
-        except psycopg.Error as exc:
-            raise LockLost(
-                f"lock {self.label}: the session failed at release, so the lock "
-                f"was lost before it: {one_line(exc)}"
-            ) from exc
-        if unlocked != b"t":
-            raise LockLost(f"lock {self.label} was no longer held at release")
-        if hold.lost is not None:
-            raise LockLost(f"lock {self.label} was lost while held: {hold.lost}")
-        return clean and not session.pgconn.pipeline_status
+        protocol.release(
+            session, hold, self.config, reusable=self._reuse and reusable, confirm=confirm
+        )
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[psycopg.Connection[Any]]:
@@ -532,7 +377,7 @@ class AdvisoryLock:
     ) -> None:
         self.finish(exc)
 
-    def finish(self, error: BaseException | None) -> None:
+    def finish(self, error: BaseException | None, *, confirm: bool = False) -> None:
         """Release after the guarded code ended, with ``error`` if it raised.
 
         A lost lock raises LockLost, unless ``error`` is already on its way:
@@ -540,7 +385,7 @@ class AdvisoryLock:
         """
         try:
             # A session whose holder failed is not trusted again.
-            self.release(reusable=error is None)
+            self.release(reusable=error is None, confirm=confirm)
         except LockLost as lost:
             if error is None:
                 raise

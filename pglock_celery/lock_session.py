@@ -19,6 +19,7 @@ import functools
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
 from typing import Any
@@ -157,6 +158,9 @@ class LockSession:
         self.failed = False
         #: Called once the session is found failed (shared: every lock on it is lost).
         self.on_failure: Callable[[str], None] | None = None
+        # What reads the result of a statement sent without waiting (see send()).
+        self._pending: Callable[[pq.abc.PGresult | psycopg.Error], bool] | None = None
+        self.pending_since = 0.0
 
     def __repr__(self) -> str:
         return f"<LockSession backend {self.backend_pid} of process {self.pid}>"
@@ -231,9 +235,19 @@ class LockSession:
         under gevent and eventlet). A statement is prepared as ``name`` the
         second time the session runs it. A holder may have dropped it
         (DEALLOCATE): then it runs unprepared and is prepared again later.
+        The result of a statement sent without waiting (:meth:`send`) is read
+        first; when it has not arrived yet, this statement goes out behind it.
         """
         pgconn = self.pgconn
         with self.guard:
+            if self._pending is not None:
+                if name in self._prepared and not self._arrived():
+                    result = self._settle(lambda: pgconn.send_query_prepared(name, params))
+                    if result.error_field(pq.DiagnosticField.SQLSTATE) != _NO_SUCH_STATEMENT:
+                        return self._checked(result)
+                    self._prepared.discard(name)
+                else:
+                    self._settle(None)
             if name in self._prepared:
                 result = self._run(lambda: pgconn.send_query_prepared(name, params))
                 if result.error_field(pq.DiagnosticField.SQLSTATE) != _NO_SUCH_STATEMENT:
@@ -249,15 +263,94 @@ class LockSession:
             self._used.add(name)
             return self._checked(self._run(lambda: pgconn.send_query_params(sql, params)))
 
+    def send(
+        self,
+        name: bytes,
+        params: Sequence[bytes | None],
+        on_result: Callable[[pq.abc.PGresult | psycopg.Error], bool],
+    ) -> bool:
+        """Send a prepared statement of the library and return without its result.
+
+        The result is read before the session's next statement, or by
+        :meth:`settle`, and handed to ``on_result``, which says whether the
+        session is still fit for use (if not, that next statement fails with
+        the session's error). False, with nothing sent, when the statement is
+        not prepared on this session yet or a result is already awaited.
+        """
+        pgconn = self.pgconn
+        with self.guard:
+            if name not in self._prepared or self._pending is not None:
+                return False
+            try:
+                pgconn.enter_pipeline_mode()
+                pgconn.send_query_prepared(name, params)
+                pgconn.pipeline_sync()
+                if pgconn.flush():
+                    self._wait(generators.send(pgconn))
+            except psycopg.Error:
+                self.conn.close()  # half sent: not used again
+                raise
+            self._pending = on_result
+            self.pending_since = time.monotonic()
+            return True
+
+    @property
+    def pending(self) -> bool:
+        """Whether a statement's result is awaited (see :meth:`send`)."""
+        return self._pending is not None
+
+    def settle(self) -> None:
+        """Read the awaited result (see :meth:`send`), if any; psycopg.Error if unfit."""
+        with self.guard:
+            if self._pending is not None:
+                self._settle(None)
+
+    def _arrived(self) -> bool:
+        """Whether the awaited result is all here (read without waiting)."""
+        with contextlib.suppress(psycopg.Error):
+            self.pgconn.consume_input()
+        return not self.pgconn.is_busy()
+
+    def _settle(self, send_next: Callable[[], None] | None) -> pq.abc.PGresult:
+        """Read the awaited result, with ``send_next``'s sent behind it: return the latter's."""
+        on_result, self._pending = self._pending, None
+        assert on_result is not None
+        pgconn = self.pgconn
+        results: list[pq.abc.PGresult] = []
+        try:
+            if send_next is None:
+                syncs = _read_arrived(pgconn, results, 1)
+            else:
+                send_next()
+                pgconn.pipeline_sync()
+                syncs = 2
+            if syncs:
+                self._wait(_until_syncs(pgconn, syncs, results))
+            pgconn.exit_pipeline_mode()
+        except psycopg.Error as exc:
+            on_result(results[0] if results else exc)  # the session may have died after it
+            self.conn.close()
+            raise
+        if not on_result(results[0]):
+            self.conn.close()
+            raise psycopg.OperationalError(
+                "the lock session's last unlock did not go as expected: it is not used again"
+            )
+        return results[2] if send_next is not None else results[0]
+
     def forget_prepared(self) -> None:
         """After DISCARD ALL: the server dropped every prepared statement."""
         self._prepared.clear()
         self._used.clear()
 
     def _run(self, send: Callable[[], None]) -> pq.abc.PGresult:
+        send()
+        results: list[pq.abc.PGresult] = self._wait(generators.execute(self.pgconn))
+        return results[-1]
+
+    def _wait(self, gen: Generator[Any, Any, Any]) -> Any:
         try:
-            send()
-            results: list[pq.abc.PGresult] = self.conn.wait(generators.execute(self.pgconn))
+            return self.conn.wait(gen)
         except psycopg.Error:
             raise
         except BaseException:
@@ -266,7 +359,6 @@ class LockSession:
             # trusted again. Closed, it holds nothing; its holders are told.
             self.fail("a statement of the library was interrupted")
             raise
-        return results[-1]
 
     def fail(self, reason: str) -> None:
         """Close a session that cannot be trusted, and tell whoever relies on it."""
@@ -281,9 +373,44 @@ class LockSession:
         return result
 
     def close(self) -> None:
-        """Close the session (its locks go with it); only in the process that opened it."""
+        """Close the session (its locks go with it); only in the process that opened it.
+
+        An awaited result is read first, so that what it tells is not lost.
+        """
         if self.pid == os.getpid():
+            if self._pending is not None and not self.closed:
+                with self.guard, contextlib.suppress(psycopg.Error):
+                    self.settle()
             self.conn.close()
+
+
+def _read_arrived(pgconn: pq.abc.PGconn, results: list[pq.abc.PGresult], syncs: int) -> int:
+    """Read into ``results`` what already arrived of a pipeline; return the syncs still due."""
+    ends = 0
+    while syncs and not pgconn.is_busy():
+        result = pgconn.get_result()
+        if result is None:  # the end of one statement's results
+            ends += 1
+            if ends > 1:
+                break  # nothing more is on its way
+            continue
+        ends = 0
+        results.append(result)
+        if result.status == pq.ExecStatus.PIPELINE_SYNC:
+            syncs -= 1
+    return syncs
+
+
+def _until_syncs(
+    pgconn: pq.abc.PGconn, syncs: int, results: list[pq.abc.PGresult]
+) -> Generator[Any, Any, None]:
+    """Flush, then read a pipeline's results into ``results`` up to its ``syncs``-th sync."""
+    yield from generators.send(pgconn)
+    while syncs:
+        batch: list[pq.abc.PGresult] = yield from generators.fetch_many(pgconn)
+        results += batch
+        if not batch or batch[-1].status == pq.ExecStatus.PIPELINE_SYNC:
+            syncs -= 1
 
 
 def _message_types(data: bytes) -> list[bytes]:

@@ -73,14 +73,31 @@ class Hold:
         self.since = time.monotonic()
         #: Why the lock was found lost, or None.
         self.lost: str | None = None
-        #: Set at release, or when the lock is found lost.
-        self.changed = threading.Event()
+        # Set at release or loss; made only when someone waits (most holds end unwatched).
+        self._changed: threading.Event | None = None
         self.ended = False
         self.handle: psycopg.Connection[Any] | None = None
 
     def end(self) -> None:
         self.ended = True
-        self.changed.set()
+        self._signal()
+
+    def _signal(self) -> None:
+        changed = self._changed
+        if changed is not None:
+            changed.set()
+
+    def wait(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the release or a loss; whether one came."""
+        changed = self._changed
+        if changed is None:
+            with _events_lock:
+                if self._changed is None:
+                    self._changed = threading.Event()
+                changed = self._changed
+        if self.ended or self.lost is not None:
+            return True  # came before the event was there to be set
+        return changed.wait(seconds)
 
     def check(self, *, wait: bool) -> str | None:
         """Return why the lock is lost, or None while it is held (or cannot be asked).
@@ -125,7 +142,9 @@ class Hold:
             if self.lost is not None or self.ended:
                 return
             self.lost = reason
-            self.changed.set()
+            self._signal()
+            with _losses_lock:
+                losses["while_held"] += 1
             failed = "session failed" in reason
             if not session.closed and not failed and not session.shared:
                 # Alive but without the lock (or on a standby): end the session,
@@ -150,6 +169,34 @@ class Hold:
         if failed and session.on_failure is not None:
             session.on_failure(reason)
 
+    def count_lost_at_release(self) -> None:
+        with _losses_lock:
+            losses["at_release"] += 1
+
+    def lost_at_release(self, reason: str) -> None:
+        """Report a loss found after the release returned (its unlock was not waited for)."""
+        self.lost = self.lost or reason
+        self.count_lost_at_release()
+        logger.error(
+            "lock %s was lost before its release by %s (task %s): %s",
+            self.label,
+            self.application_name,
+            self.task_id,
+            reason,
+            extra={
+                "lock": self.label,
+                "key": self.key,
+                "task_id": self.task_id,
+                "holder": self.application_name,
+                "reason": reason,
+            },
+        )
+        if self.on_lost is not None:
+            try:
+                self.on_lost(self, reason)
+            except Exception:
+                logger.exception("lock %s: reporting its loss failed", self.label)
+
     def monitor(self) -> None:
         """Check the session every check interval until release or loss."""
         while not self.ended and self.lost is None:
@@ -160,9 +207,23 @@ class Hold:
                     return
             except Exception:
                 logger.exception("lock %s: the loss check failed", self.label)
-            if self.changed.wait(self.config.check_interval):
+            if self.wait(self.config.check_interval):
                 return
 
+
+#: Locks this process found lost: while held (the monitor, held()), and at release.
+losses = {"while_held": 0, "at_release": 0}
+_losses_lock = threading.Lock()
+_events_lock = threading.Lock()
+
+
+def _new_locks() -> None:
+    # In a forked child a thread that held one of them is gone.
+    global _losses_lock, _events_lock
+    _losses_lock, _events_lock = threading.Lock(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_locks)
 
 #: Locks dropped without release, freed by the scheduler thread (a finalizer may
 #: run inside any code that holds a lock, so it only hands its work on).
@@ -199,6 +260,8 @@ class _MonitorScheduler:
     MAX_TICK = 0.5
 
     def __init__(self) -> None:
+        #: Run every tick; each returns whether it has work left (the thread keeps ticking).
+        self.chores: list[Callable[[], bool]] = []
         self._reset()
         os.register_at_fork(after_in_child=self._reset)
 
@@ -239,12 +302,12 @@ class _MonitorScheduler:
 
     def _run(self) -> None:
         cond = self._cond
-        idle = 0
+        idle, busy = 0, False
         while True:
             with cond:
                 if cond is not self._cond:
                     return  # a forked child's copy of a thread that is not there
-                idle = 0 if self._held else idle + 1
+                idle = 0 if self._held or busy else idle + 1
                 if idle > self.IDLE_TICKS:
                     self._asleep = True
                     cond.wait_for(lambda: bool(self._held or abandoned))
@@ -261,6 +324,12 @@ class _MonitorScheduler:
                     self._tick = self.MAX_TICK
                 tick = self._tick
             free_abandoned()
+            busy = False
+            for chore in self.chores:
+                try:
+                    busy = chore() or busy
+                except Exception:
+                    logger.exception("a chore of the monitor scheduler failed")
             for hold in due:
                 if not hold.ended:
                     threading.Thread(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import psycopg
@@ -99,6 +100,38 @@ def discard(session: LockSession) -> None:
     session.close()
     with _guard:
         _open.discard(session)
+
+
+#: How long an unlock sent without waiting (see protocol.py) stays unread in the
+#: cache before the monitor scheduler reads it, when no next lock did.
+CONFIRM_AFTER = 0.05
+
+
+def confirm_idle() -> bool:
+    """Read what idle sessions' unlocks returned; whether some are left to read.
+
+    A session busy meanwhile (taken by a holder, which reads it first) is left
+    alone; one whose unlock went wrong is closed.
+    """
+    now = time.monotonic()
+    with _guard:
+        pending = [s for stack in _idle.values() for s in stack if s.pending]
+    left = False
+    for session in pending:
+        if now - session.pending_since < CONFIRM_AFTER:
+            left = True
+        elif session.guard.acquire(blocking=False):
+            try:
+                session.settle()
+            except psycopg.Error:
+                with _guard:
+                    stack = _idle.get(session.dsn, [])
+                    if session in stack:
+                        stack.remove(session)
+                discard(session)
+            finally:
+                session.guard.release()
+    return left
 
 
 def idle_count() -> int:

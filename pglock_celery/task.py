@@ -29,7 +29,8 @@ from .exceptions import (
     LockTimeout,
     PglockError,
 )
-from .lock import AdvisoryLock, _current, check_lock_name, check_timeout, current_lock
+from .keys import check_lock_name, check_timeout
+from .lock import AdvisoryLock, _current, current_lock
 from .monitor import Hold
 
 logger = logging.getLogger("pglock_celery.task")
