@@ -185,18 +185,26 @@ class AdvisoryLock:
         if session is None:
             startup = idle_name(self.config.application_name) if self._reuse else None
             session = open_session(self.config, startup or self.application_name)
-            try:
-                got = self._lock_on(session)
-            except psycopg.Error as exc:
-                sessions.discard(session)
-                raise LockUnavailable(
-                    f"lock {self.label}: the lock session failed while locking: {one_line(exc)}"
-                ) from exc
-            except BaseException:
-                sessions.discard(session)
-                raise
+            got = self._lock_or_fail(session)
+        if not got and not self._wait and self._reuse and sessions.settle_idle(self.config):
+            # This process's own unlocks, sent a moment ago, may not have been read
+            # by the server yet: once they are, a lock it released is free.
+            got = self._lock_or_fail(session)
         self._settle(session, self._make_hold(session) if got else None)
         return got
+
+    def _lock_or_fail(self, session: LockSession) -> bool:
+        """Take the lock on ``session``; closed on any error, LockUnavailable on a failed one."""
+        try:
+            return self._lock_on(session)
+        except psycopg.Error as exc:
+            sessions.discard(session)
+            raise LockUnavailable(
+                f"lock {self.label}: the lock session failed while locking: {one_line(exc)}"
+            ) from exc
+        except BaseException:
+            sessions.discard(session)
+            raise
 
     def _make_hold(self, session: LockSession) -> Hold:
         return Hold(

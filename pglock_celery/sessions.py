@@ -122,16 +122,34 @@ def confirm_idle() -> bool:
             left = True
         elif session.guard.acquire(blocking=False):
             try:
-                session.settle()
-            except psycopg.Error:
-                with _guard:
-                    stack = _idle.get(session.dsn, [])
-                    if session in stack:
-                        stack.remove(session)
-                discard(session)
+                _settle(session)
             finally:
                 session.guard.release()
     return left
+
+
+def settle_idle(config: PglockConfig) -> bool:
+    """Wait for the unlocks idle sessions sent for ``config``'s DSN; whether there were any.
+
+    A lock this process released a moment ago is free once they are read.
+    """
+    with _guard:
+        pending = [s for s in _idle.get(config.require_dsn(), []) if s.pending]
+    for session in pending:
+        with session.guard:
+            _settle(session)
+    return bool(pending)
+
+
+def _settle(session: LockSession) -> None:
+    try:
+        session.settle()
+    except psycopg.Error:
+        with _guard:
+            stack = _idle.get(session.dsn, [])
+            if session in stack:
+                stack.remove(session)
+        discard(session)
 
 
 def idle_count() -> int:

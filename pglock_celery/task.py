@@ -167,7 +167,10 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             error = exc
             raise
         finally:
-            lock.finish(error)
+            # What follows this call (its chain, callbacks, a chord) may need the
+            # lock at once: the release returns only once the server freed it.
+            request = self.request
+            lock.finish(error, confirm=bool(request.chain or request.callbacks or request.chord))
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Release this call's lock, then retry as Celery does.
@@ -179,7 +182,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         lock = _this_call.get()
         if lock is not None and lock.acquired:
             try:
-                lock.release()
+                lock.release(confirm=True)
             except LockLost as lost:
                 logger.warning(
                     "%s (before retrying task %s)",
@@ -334,7 +337,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         hostname: str | None,
         reaction: str,
     ) -> None:
-        """React to a loss found by the lock's monitor thread."""
+        """React to a loss found by the lock's monitor thread, or after its release."""
         self._send_event(
             LOCK_LOST_EVENT,
             task_id,
@@ -343,7 +346,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             reason=reason,
             holder=lock.application_name,
         )
-        if reaction == "terminate":
+        if reaction == "terminate" and not lock.ended:  # ended: the step is over
             logger.error(
                 "lock %s lost: ending worker process %d so that task %s[%s] stops",
                 lock.label,

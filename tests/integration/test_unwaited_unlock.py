@@ -1,0 +1,203 @@
+"""Under strategy reuse a release sends its unlock and does not wait for it.
+
+What that may change (when the server frees the lock, when a loss shown by the
+unlock is reported) and what it may not (this process sees its own release at
+once, a session found ended still fails the release, work handed on by a task
+finds the lock free). A lock session's backend is paused with SIGSTOP to hold
+the unlock unread for as long as a test needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+
+from pglock_celery import LockLost, TenantLockedTask, lock_key, monitor, sessions
+from pglock_celery.config import PglockConfig
+from pglock_celery.lock import AdvisoryLock
+from tests.helpers.services import wait_until
+
+#: How long a paused backend stays paused.
+PAUSE = 0.5
+
+
+@pytest.fixture(autouse=True)
+def empty_cache() -> Iterator[None]:
+    sessions.close_idle()
+    yield
+    sessions.close_idle()
+
+
+@pytest.fixture
+def admin(pg_dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        yield conn
+
+
+def lock(dsn: str, name: str, **options: Any) -> AdvisoryLock:
+    return AdvisoryLock(name, config=PglockConfig(dsn=dsn, strategy="reuse"), **options)
+
+
+def warm(dsn: str, sessions_wanted: int = 1) -> None:
+    """Have the cache hold sessions that ran the unlock twice: it is prepared there
+    now, and only a prepared unlock goes out without waiting."""
+    for _ in range(2):
+        with contextlib.ExitStack() as stack:
+            for i in range(sessions_wanted):
+                assert stack.enter_context(lock(dsn, f"warm:{os.getpid()}:{i}")).acquired
+    assert sessions.idle_count() == sessions_wanted
+
+
+def backend_of(admin: psycopg.Connection[Any], name: str) -> int:
+    """The backend of the session that holds ``name`` (found by its application_name)."""
+    row = admin.execute(
+        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE %s",
+        (f"%|{name}",),
+    ).fetchone()
+    assert row is not None, f"no session is named after {name}"
+    return int(row[0])
+
+
+def free(admin: psycopg.Connection[Any], name: str) -> bool:
+    got = admin.execute("SELECT pg_try_advisory_lock(%s)", (lock_key(name),)).fetchone()
+    if got and got[0]:
+        admin.execute("SELECT pg_advisory_unlock_all()")
+    return bool(got and got[0])
+
+
+@contextlib.contextmanager
+def paused(backend: int) -> Iterator[threading.Event]:
+    """Stop ``backend`` now; it goes on after PAUSE (the event is set then)."""
+    resumed = threading.Event()
+
+    def resume() -> None:
+        os.kill(backend, signal.SIGCONT)
+        resumed.set()
+
+    os.kill(backend, signal.SIGSTOP)
+    timer = threading.Timer(PAUSE, resume)
+    timer.start()
+    try:
+        yield resumed
+    finally:
+        timer.join()
+
+
+def test_a_release_returns_before_the_server_read_its_unlock(
+    pg_dsn: str, run_id: str, admin: psycopg.Connection[Any]
+) -> None:
+    name = f"a:{run_id}"
+    warm(pg_dsn)
+    held = lock(pg_dsn, name)
+    assert held.acquire()
+    with paused(backend_of(admin, name)) as resumed:
+        held.release()
+        returned_paused = not resumed.is_set()
+        seen_held = not free(admin, name)
+        assert not resumed.is_set(), "the test was too slow to see the paused state"
+    assert returned_paused and seen_held
+    wait_until(lambda: free(admin, name), 10, "the unlock to be read once the backend goes on")
+    assert sessions.idle_count() == 1  # clean: back in the cache
+
+
+def test_this_process_sees_its_own_release_at_once(
+    pg_dsn: str, run_id: str, admin: psycopg.Connection[Any]
+) -> None:
+    first, second = f"a:{run_id}", f"b:{run_id}"
+    warm(pg_dsn, 2)
+    a, b = lock(pg_dsn, first), lock(pg_dsn, second)
+    assert a.acquire() and b.acquire()
+    with paused(backend_of(admin, first)) as resumed:
+        a.release()
+        b.release()  # its session goes back last: the next lock takes it
+        again = lock(pg_dsn, first)
+        got = again.acquire()
+        # The try on b's session found the name held; it waited for a's unlock.
+        assert resumed.is_set()
+    assert got, "a lock this process released was seen held by its next try"
+    again.release()
+
+
+def test_a_loss_shown_by_the_unlock_is_reported_after_the_release(
+    pg_dsn: str, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = f"a:{run_id}"
+    reports: list[str] = []
+    held = lock(pg_dsn, name, task_id=f"task-{run_id}", on_lost=lambda _h, r: reports.append(r))
+    before = monitor.losses["at_release"]
+    warm(pg_dsn)
+    assert held.acquire()
+    session = held._session
+    assert session is not None
+    # Behind the library's back, on its own connection (no handle was given out,
+    # so the release does not wait): the lock is gone before its release.
+    session.conn.execute("SELECT pg_advisory_unlock_all()")
+    with caplog.at_level(logging.ERROR, logger="pglock_celery.lock"):
+        held.release()  # returns: the unlock's answer is read later
+        wait_until(lambda: reports, 5, "the loss at release to be reported")
+    assert reports == ["it was no longer held at release"]
+    assert monitor.losses["at_release"] == before + 1
+    [record] = [r for r in caplog.records if "lost before its release" in r.getMessage()]
+    assert getattr(record, "task_id", None) == f"task-{run_id}"
+    assert name in record.getMessage()
+    wait_until(lambda: sessions.idle_count() == 0, 5, "the session to be closed, not kept")
+
+
+def test_a_session_that_ended_while_held_fails_its_release_at_once(
+    pg_dsn: str, run_id: str, admin: psycopg.Connection[Any]
+) -> None:
+    name = f"a:{run_id}"
+    held = lock(pg_dsn, name)
+    assert held.acquire()
+    session = held._session
+    assert session is not None
+    admin.execute("SELECT pg_terminate_backend(%s)", (backend_of(admin, name),))
+    readable, _, _ = select.select([session.pgconn.socket], [], [], 10)
+    assert readable, "the server's goodbye did not arrive"
+    with pytest.raises(LockLost, match="failed at release"):
+        held.release()
+    assert sessions.idle_count() == 0
+
+
+@pytest.mark.parametrize("followed", [True, False], ids=["with a link", "alone"])
+def test_a_step_with_work_to_follow_returns_only_once_its_lock_is_free(
+    pg_dsn: str, run_id: str, admin: psycopg.Connection[Any], followed: bool
+) -> None:
+    app = Celery("unwaited", set_as_current=False, broker="memory://", backend="cache+memory://")
+    app.conf.update(pglock_dsn=pg_dsn, task_store_eager_result=True)
+    name = f"step:{run_id}"
+    pauses: list[threading.Event] = []
+    stack = contextlib.ExitStack()
+
+    @app.task(base=TenantLockedTask, lock_name="step:{tenant}", shared=False)
+    def step(tenant: str) -> str:
+        pauses.append(stack.enter_context(paused(backend_of(admin, name))))
+        return tenant
+
+    @app.task(shared=False)
+    def after(value: str) -> str:
+        return value
+
+    warm(pg_dsn)
+    with stack:
+        link = after.s() if followed else None
+        result = step.apply((run_id,), link=link)
+        assert result.get() == run_id
+        [resumed] = pauses
+        returned_paused = not resumed.is_set()
+        free_at_return = free(admin, name)
+    if followed:
+        assert not returned_paused and free_at_return
+    else:
+        assert returned_paused and not free_at_return
+    wait_until(lambda: free(admin, name), 10, "the lock to be free")
