@@ -195,7 +195,6 @@ def _unlock(
                     and hold.lost is None
                     and not session.handed_out
                     and not session.pgconn.pipeline_status
-                    and session.alive()  # a session found ended fails the release now
                     and session.send(_UNLOCK_FOR_REUSE[0], params, on_result)
                 ):
                     return True
