@@ -27,7 +27,8 @@ from . import sessions
 from .config import PglockConfig
 from .dsn import describe_target, redact
 from .exceptions import ConfigurationError, LockUnavailable
-from .lock_session import LockSession, SessionConnection
+from .handles import SessionConnection
+from .lock_session import LockSession
 
 #: Postgres truncates application_name to NAMEDATALEN - 1 bytes.
 APPLICATION_NAME_MAX_BYTES = 63

@@ -28,11 +28,12 @@ from celery._state import get_current_task
 from . import protocol, sessions, shared
 from .config import PglockConfig, get_config
 from .connection import application_name, idle_name, open_session
-from .exceptions import LockLost, LockUnavailable, PglockError
-from .inspect import NAMED_HOLDER, Holder, named_holder, named_holder_params
+from .exceptions import LockLost, PglockError
+from .inspect import Holder, holder_on
 from .keys import cached_lock_key, check_key, check_lock_name, check_timeout
 from .lock_session import LockSession
-from .monitor import Hold, LossHandler, abandoned, free_abandoned, one_line, scheduler
+from .monitor import Hold, LossHandler
+from .scheduler import abandon, free_abandoned, scheduler
 
 logger = logging.getLogger("pglock_celery.lock")
 
@@ -49,27 +50,6 @@ def current_lock() -> AdvisoryLock | None:
     if lock is None or not lock.acquired:
         return None
     return lock
-
-
-def _abandon(session: LockSession, hold: Hold | None, label: str) -> None:
-    """A lock object dropped without release: have its session and lock freed."""
-    abandoned.append(functools.partial(_free, session, hold, label))
-    scheduler.wake()
-
-
-def _free(session: LockSession, hold: Hold | None, label: str) -> None:
-    if session.pid != os.getpid():
-        return
-    if hold is not None:
-        hold.end()
-        scheduler.unwatch(hold)
-    if session.shared:
-        if hold is not None:
-            with contextlib.suppress(LockLost):
-                shared.release(session, hold, label)
-        return
-    session.revoke("the lock was dropped without release")
-    sessions.discard(session)
 
 
 class AdvisoryLock:
@@ -166,45 +146,18 @@ class AdvisoryLock:
         free_abandoned()
         if self._shared:
             return self._acquire_shared()
-        session = self._session  # kept from a failed try, for polling
-        self._session = None
-        if session is None and self._reuse:
-            session = sessions.take(self.config)
-        got = False
-        if session is not None:
-            try:
-                got = self._lock_on(session)
-            except psycopg.Error:
-                # An idle session that died or went wrong meanwhile: it held
-                # nothing, so a fresh one may take its place.
-                sessions.discard(session)
-                session = None
-            except BaseException:
-                sessions.discard(session)
-                raise
-        if session is None:
-            startup = idle_name(self.config.application_name) if self._reuse else None
-            session = open_session(self.config, startup or self.application_name)
-            got = self._lock_or_fail(session)
-        if not got and not self._wait and self._reuse and sessions.settle_idle(self.config):
-            # This process's own unlocks, sent a moment ago, may not have been read
-            # by the server yet: once they are, a lock it released is free.
-            got = self._lock_or_fail(session)
+        kept, self._session = self._session, None  # kept from a failed try, for polling
+        startup = idle_name(self.config.application_name) if self._reuse else None
+        session, got = protocol.acquire(
+            self.config,
+            kept,
+            self._lock_on,
+            self.label,
+            startup or self.application_name,
+            wait=self._wait,
+        )
         self._settle(session, self._make_hold(session) if got else None)
         return got
-
-    def _lock_or_fail(self, session: LockSession) -> bool:
-        """Take the lock on ``session``; closed on any error, LockUnavailable on a failed one."""
-        try:
-            return self._lock_on(session)
-        except psycopg.Error as exc:
-            sessions.discard(session)
-            raise LockUnavailable(
-                f"lock {self.label}: the lock session failed while locking: {one_line(exc)}"
-            ) from exc
-        except BaseException:
-            sessions.discard(session)
-            raise
 
     def _make_hold(self, session: LockSession) -> Hold:
         return Hold(
@@ -226,7 +179,7 @@ class AdvisoryLock:
             self._finalizer.detach()  # an earlier failed try's
             self._finalizer = None
         if session is not None and (hold is not None or not session.shared):
-            self._finalizer = weakref.finalize(self, _abandon, session, hold, self.label)
+            self._finalizer = weakref.finalize(self, abandon, session, hold, self.label)
 
     def _acquire_shared(self) -> bool:
         session, hold = shared.acquire(
@@ -266,20 +219,7 @@ class AdvisoryLock:
         session = self._session
         if session is None or session.pid != os.getpid():
             return None
-        try:
-            result = session.query(*NAMED_HOLDER, named_holder_params(self.label))
-        except psycopg.Error as exc:
-            logger.warning(
-                "lock %s: could not look up its holder: %s",
-                self.label,
-                one_line(exc),
-                extra={"lock": self.label, "key": self.key},
-            )
-            return None
-        if not result.ntuples:
-            return None
-        row = [result.get_value(0, column) for column in range(result.nfields)]
-        return named_holder(self.key, self.label, row)
+        return holder_on(session, self.key, self.label)
 
     def held(self) -> bool:
         """Ask Postgres whether this session still holds the lock.

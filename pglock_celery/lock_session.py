@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import _socket
 import contextlib
-import functools
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
-from types import TracebackType
 from typing import Any
 
 import psycopg
-from psycopg import errors, generators, pq, waiting
+from psycopg import errors, generators, pq
+
+from .handles import HandleConnection, Revoked, dead_pgconn
 
 #: How much of what the server sent unasked is looked at (a notice or two, an error).
 _PEEK_BYTES = 8192
@@ -33,87 +32,6 @@ _PEEK_BYTES = 8192
 _ERROR_MESSAGE = b"E"
 #: SQLSTATE of a prepared statement that is not there (a holder deallocated it).
 _NO_SUCH_STATEMENT = b"26000"
-
-
-def _green_select() -> str | None:
-    """Which green library made ``select`` cooperative since psycopg was imported, if any.
-
-    psycopg picks its wait function once, at import, and only knows gevent.
-    """
-    try:
-        eventlet = sys.modules.get("eventlet.patcher")
-        if eventlet is not None and eventlet.is_monkey_patched("select"):
-            return "eventlet"
-        gevent = sys.modules.get("gevent.monkey")
-        if gevent is not None and gevent.is_module_patched("select"):
-            return "gevent"
-    except Exception:
-        return None
-    return None
-
-
-class SessionConnection(psycopg.Connection[Any]):
-    """A psycopg connection whose waits yield to eventlet's hub when it is in use."""
-
-    def wait(
-        self,
-        gen: Generator[Any, Any, Any],
-        interval: float = 0.1,
-        timeout: float | None = None,
-    ) -> Any:
-        green = _green_select()
-        if green == "gevent" and hasattr(waiting, "wait_poll"):
-            # wait_c polls in C, out of the hub's reach: it would block every green
-            # thread. gevent makes poll() cooperative, which takes descriptors past 1023.
-            return waiting.wait_poll(gen, self.pgconn.socket, interval=interval)
-        if green:
-            return waiting.wait_select(gen, self.pgconn.socket, interval=interval)
-        if timeout is None:  # psycopg before 3.3 takes no timeout
-            return super().wait(gen, interval)
-        return super().wait(gen, interval, timeout)
-
-
-class HandleConnection(SessionConnection):
-    """A holder's handle: closing it (``with conn:``) revokes it, never the session."""
-
-    session: LockSession
-
-    def close(self) -> None:
-        if not self.closed:
-            self.session.revoke_one(self, "this handle of the lock connection was closed")
-
-
-class _Revoked:
-    """Stands in for a released handle's lock: every statement through it fails."""
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-    def __enter__(self) -> None:
-        raise psycopg.OperationalError(self.message)
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        return None
-
-    def acquire(self, *args: Any, **kwargs: Any) -> bool:
-        raise psycopg.OperationalError(self.message)
-
-    def release(self) -> None:
-        return None
-
-    def locked(self) -> bool:
-        return False
-
-
-@functools.lru_cache(maxsize=1)
-def dead_pgconn() -> pq.abc.PGconn:
-    """A libpq connection that never connected: a revoked handle's, so it reads closed."""
-    return pq.PGconn.connect_start(b"pglock_released=1")
 
 
 class LockSession:
@@ -188,7 +106,7 @@ class LockSession:
         self.pgconn.notify_handler = None
 
     def revoke_one(self, handle: psycopg.Connection[Any], message: str) -> None:
-        handle.lock = _Revoked(message)  # type: ignore[assignment]
+        handle.lock = Revoked(message)  # type: ignore[assignment]
         handle.pgconn = dead_pgconn()
         with contextlib.suppress(ValueError):
             self._handles.remove(handle)

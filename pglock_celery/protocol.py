@@ -18,6 +18,7 @@ after the release returned (see Hold.lost_at_release).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -26,10 +27,11 @@ from psycopg.pq import TransactionStatus
 
 from . import sessions
 from .config import PglockConfig
-from .connection import idle_name
+from .connection import idle_name, open_session
 from .exceptions import LockLost, LockTimeout, LockUnavailable
 from .lock_session import LockSession
-from .monitor import Hold, one_line, scheduler
+from .monitor import Hold, one_line
+from .scheduler import scheduler
 
 #: The session setting where a lock session records the keys it holds, as
 #: ``,key,``; guarded tables read it instead of pg_locks (see guard.py).
@@ -73,6 +75,58 @@ _UNLOCK_FOR_REUSE = (
     b"SELECT pg_advisory_unlock($1::int8), pg_advisory_unlock_all(),"
     b" set_config('application_name', $2, false), set_config('pglock.held', '', false)",
 )
+
+
+def acquire(
+    config: PglockConfig,
+    kept: LockSession | None,
+    lock_on: Callable[[LockSession], bool],
+    label: str,
+    startup_name: str,
+    *,
+    wait: bool,
+) -> tuple[LockSession, bool]:
+    """Take a lock with ``lock_on`` on a dedicated session; return it and whether granted.
+
+    The session is the one ``kept`` from a failed try, else an idle one of this
+    process (strategy ``reuse``), else a new one named ``startup_name``.
+    """
+    reuse = config.strategy == sessions.REUSE
+    session = kept if kept is not None or not reuse else sessions.take(config)
+    got = False
+    if session is not None:
+        try:
+            got = lock_on(session)
+        except psycopg.Error:
+            # An idle session that died or went wrong meanwhile: it held
+            # nothing, so a fresh one may take its place.
+            sessions.discard(session)
+            session = None
+        except BaseException:
+            sessions.discard(session)
+            raise
+    if session is None:
+        session = open_session(config, startup_name)
+        got = _lock_or_fail(session, lock_on, label)
+    if not got and not wait and reuse and sessions.settle_idle(config):
+        # This process's own unlocks, sent a moment ago, may not have been read
+        # by the server yet: once they are, a lock it released is free.
+        got = _lock_or_fail(session, lock_on, label)
+    return session, got
+
+
+def _lock_or_fail(session: LockSession, lock_on: Callable[[LockSession], bool], label: str) -> bool:
+    """Take the lock on ``session``; closed on any error, LockUnavailable on a failed one."""
+    try:
+        return lock_on(session)
+    except psycopg.Error as exc:
+        sessions.discard(session)
+        raise LockUnavailable(
+            f"lock {label}: the lock session failed while locking: {one_line(exc)}"
+        ) from exc
+    except BaseException:
+        sessions.discard(session)
+        raise
 
 
 def lock_on(

@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterator
 import psycopg
 
 from .config import PglockConfig
-from .lock_session import LockSession, dead_pgconn
+from .handles import dead_pgconn
+from .lock_session import LockSession
 
 CONNECT, REUSE, SHARED = "connect", "reuse", "shared"
 

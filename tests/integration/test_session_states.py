@@ -32,7 +32,7 @@ from psycopg.rows import dict_row, tuple_row
 from pglock_celery import LockLost, lock_key, sessions
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
-from pglock_celery.monitor import scheduler
+from pglock_celery.scheduler import scheduler
 
 NAMES = ("a", "b", "c")
 CHECK_INTERVAL = 0.05

@@ -8,7 +8,7 @@ import select
 import psycopg
 import pytest
 
-from pglock_celery import LockLost, lock_key, lock_session, sessions, try_lock
+from pglock_celery import LockLost, handles, lock_key, sessions, try_lock
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
 from tests.helpers.services import wait_until
@@ -206,7 +206,7 @@ def test_a_session_waits_cooperatively_only_when_select_is_patched(
 
     if patched:
         monkeypatch.setitem(gevent.monkey.saved, "select", {})
-    assert (lock_session._green_select() == "gevent") is patched
+    assert (handles._green_select() == "gevent") is patched
     with lock(pg_dsn, f"a:{run_id}") as held:  # its statements wait the green way, or not
         assert held.acquired
         assert held.connection.execute("SELECT pg_sleep(0.05), 1").fetchone() == ("", 1)

@@ -1,0 +1,102 @@
+"""The psycopg connections over a lock session's socket: the library's own, and holders' handles.
+
+The library's connection waits cooperatively under gevent and eventlet. A
+holder's handle is a fresh psycopg connection over the same socket, so every
+client-side attribute starts at its default; revoked at release, every
+statement through it (or a cursor made from it) fails from then on.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Generator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import pq, waiting
+
+if TYPE_CHECKING:
+    from .lock_session import LockSession
+
+
+def _green_select() -> str | None:
+    """Which green library made ``select`` cooperative since psycopg was imported, if any.
+
+    psycopg picks its wait function once, at import, and only knows gevent.
+    """
+    try:
+        eventlet = sys.modules.get("eventlet.patcher")
+        if eventlet is not None and eventlet.is_monkey_patched("select"):
+            return "eventlet"
+        gevent = sys.modules.get("gevent.monkey")
+        if gevent is not None and gevent.is_module_patched("select"):
+            return "gevent"
+    except Exception:
+        return None
+    return None
+
+
+class SessionConnection(psycopg.Connection[Any]):
+    """A psycopg connection whose waits yield to eventlet's hub when it is in use."""
+
+    def wait(
+        self,
+        gen: Generator[Any, Any, Any],
+        interval: float = 0.1,
+        timeout: float | None = None,
+    ) -> Any:
+        green = _green_select()
+        if green == "gevent" and hasattr(waiting, "wait_poll"):
+            # wait_c polls in C, out of the hub's reach: it would block every green
+            # thread. gevent makes poll() cooperative, which takes descriptors past 1023.
+            return waiting.wait_poll(gen, self.pgconn.socket, interval=interval)
+        if green:
+            return waiting.wait_select(gen, self.pgconn.socket, interval=interval)
+        if timeout is None:  # psycopg before 3.3 takes no timeout
+            return super().wait(gen, interval)
+        return super().wait(gen, interval, timeout)
+
+
+class HandleConnection(SessionConnection):
+    """A holder's handle: closing it (``with conn:``) revokes it, never the session."""
+
+    session: LockSession
+
+    def close(self) -> None:
+        if not self.closed:
+            self.session.revoke_one(self, "this handle of the lock connection was closed")
+
+
+class Revoked:
+    """Stands in for a released handle's lock: every statement through it fails."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __enter__(self) -> None:
+        raise psycopg.OperationalError(self.message)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        return None
+
+    def acquire(self, *args: Any, **kwargs: Any) -> bool:
+        raise psycopg.OperationalError(self.message)
+
+    def release(self) -> None:
+        return None
+
+    def locked(self) -> bool:
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def dead_pgconn() -> pq.abc.PGconn:
+    """A libpq connection that never connected: a revoked handle's, so it reads closed."""
+    return pq.PGconn.connect_start(b"pglock_released=1")
