@@ -75,6 +75,8 @@ class Hold:
         # Set at release or loss; made only when someone waits (most holds end unwatched).
         self._changed: threading.Event | None = None
         self.ended = False
+        #: Whether the loss was found only after the release returned (see protocol.py).
+        self.lost_after_release = False
         self.handle: psycopg.Connection[Any] | None = None
 
     def end(self) -> None:
@@ -175,6 +177,7 @@ class Hold:
     def lost_at_release(self, reason: str) -> None:
         """Report a loss found after the release returned (its unlock was not waited for)."""
         self.lost = self.lost or reason
+        self.lost_after_release = True
         self.count_lost_at_release()
         logger.error(
             "lock %s was lost before its release by %s (task %s): %s",

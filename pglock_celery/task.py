@@ -230,18 +230,20 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
     def _format_lock_name(
         self, template: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> str:
-        try:
-            bound = self._run_signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise LockNameError(
-                f"task {self.name}: the call's arguments do not fit its signature "
-                f"({exc}), so lock_name {template!r} cannot be resolved"
-            ) from exc
-        bound.apply_defaults()
-        values = dict(bound.arguments)
-        for parameter in self._run_signature.parameters.values():
-            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-                values.update(values.pop(parameter.name, {}))
+        values = self._simple_arguments(args, kwargs)
+        if values is None:
+            try:
+                bound = self._run_signature.bind(*args, **kwargs)
+            except TypeError as exc:
+                raise LockNameError(
+                    f"task {self.name}: the call's arguments do not fit its signature "
+                    f"({exc}), so lock_name {template!r} cannot be resolved"
+                ) from exc
+            bound.apply_defaults()
+            values = dict(bound.arguments)
+            for parameter in self._run_signature.parameters.values():
+                if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                    values.update(values.pop(parameter.name, {}))
         try:
             return template.format(**values)
         except KeyError as exc:
@@ -258,6 +260,45 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
     @functools.cached_property
     def _run_signature(self) -> inspect.Signature:
         return inspect.signature(self.run)
+
+    @functools.cached_property
+    def _plain_parameters(self) -> tuple[tuple[str, ...], frozenset[str], dict[str, Any]] | None:
+        """The run signature's names, required names and defaults, when it has no
+        ``*args``, ``**kwargs`` or positional-only parameter; else None."""
+        parameters = self._run_signature.parameters.values()
+        plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        if any(p.kind not in plain for p in parameters):
+            return None
+        positional = tuple(
+            p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        )
+        required = frozenset(p.name for p in parameters if p.default is inspect.Parameter.empty)
+        defaults = {
+            p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty
+        }
+        return positional, required, defaults
+
+    def _simple_arguments(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        """What Signature.bind with apply_defaults gives, for a call that plainly fits a
+        plain signature (the common case, without its cost); None for any other call."""
+        plain = self._plain_parameters
+        if plain is None:
+            return None
+        positional, required, defaults = plain
+        if len(args) > len(positional):
+            return None
+        given = positional[: len(args)]
+        values = {**defaults, **dict(zip(given, args, strict=True))}
+        parameters = self._run_signature.parameters
+        for name, value in kwargs.items():
+            if name in given or name not in parameters:
+                return None  # bind raises: left to it, for its message
+            values[name] = value
+        if not required <= values.keys():
+            return None
+        return {name: values[name] for name in parameters if name in values}
 
     def _checked_mode(self) -> str:
         if self.lock_mode not in LOCK_MODES:
@@ -346,7 +387,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             reason=reason,
             holder=lock.application_name,
         )
-        if reaction == "terminate" and not lock.ended:  # ended: the step is over
+        if reaction == "terminate" and not lock.lost_after_release:  # the step is over then
             logger.error(
                 "lock %s lost: ending worker process %d so that task %s[%s] stops",
                 lock.label,

@@ -10,6 +10,7 @@ the unlock unread for as long as a test needs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import select
@@ -22,7 +23,7 @@ import psycopg
 import pytest
 from celery import Celery
 
-from pglock_celery import LockLost, TenantLockedTask, lock_key, monitor, sessions
+from pglock_celery import LockLost, TenantLockedTask, current_lock, lock_key, monitor, sessions
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
 from tests.helpers.services import wait_until
@@ -201,3 +202,24 @@ def test_a_step_with_work_to_follow_returns_only_once_its_lock_is_free(
     else:
         assert returned_paused and not free_at_return
     wait_until(lambda: free(admin, name), 10, "the lock to be free")
+
+
+def test_a_loss_found_after_the_step_does_not_end_the_process(pg_dsn: str, run_id: str) -> None:
+    """pglock_on_lost = terminate ends a process whose running step lost its lock; a loss
+    found after the step returned has nothing left to stop (this very process would end)."""
+    app = Celery("unwaited", set_as_current=False, broker="memory://", backend="cache+memory://")
+    app.conf.update(pglock_dsn=pg_dsn, pglock_on_lost="terminate", task_store_eager_result=True)
+    reports: list[str] = []
+
+    @app.task(base=TenantLockedTask, lock_name="step:{tenant}", shared=False)
+    def step(tenant: str) -> None:
+        lock = current_lock()
+        assert lock is not None and lock._session is not None and lock._hold is not None
+        lock._hold.on_lost = lambda hold, reason: (reports.append(reason), real(hold, reason))
+        lock._session.conn.execute("SELECT pg_advisory_unlock_all()")
+
+    real = functools.partial(step._lock_lost, task_id=None, hostname=None, reaction="terminate")
+    warm(pg_dsn)
+    step.apply((run_id,)).get()
+    wait_until(lambda: reports, 5, "the loss to be reported")
+    assert reports == ["it was no longer held at release"]  # and this process lives on
