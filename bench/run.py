@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import psycopg
 import redis
 
@@ -289,10 +290,63 @@ def variants(dsn: str) -> dict[str, tuple[str, str]]:
 THROUGHPUT_ROUNDS = 5
 
 
-def throughputs(dsn: str, count: int, queues: dict[str, str]) -> list[dict[str, float]]:
-    """Each variant's rate in each of the interleaved rounds (after a warm-up round)."""
+def _cpu_seconds(pid: int | None) -> float:
+    """CPU time of a process and its live children so far; 0 for one not seen here."""
+    if pid is None:
+        return 0.0
+    try:
+        root = psutil.Process(pid)
+        total = 0.0
+        for process in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                times = process.cpu_times()
+                total += times.user + times.system
+        return total
+    except psutil.Error:
+        return 0.0
+
+
+def server_pid(dsn: str) -> int | None:
+    """The Postgres server's main process, when it runs on this machine."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        backend = conn.info.backend_pid
+    try:
+        parent = psutil.Process(backend).parent()
+    except psutil.Error:
+        return None
+    return parent.pid if parent is not None and "postgres" in parent.name() else None
+
+
+def worker_pid(queue: str) -> int | None:
+    """The main process of the benchmark's worker on ``queue``."""
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "worker" in cmdline and queue in cmdline:
+            return int(process.pid)
+    return None
+
+
+@dataclass
+class Usage:
+    """CPU milliseconds per task, a list per variant (one entry a round)."""
+
+    worker: dict[str, list[float]]
+    server: dict[str, list[float]]
+
+    def median(self, which: str, name: str) -> float:
+        return statistics.median(getattr(self, which)[name])
+
+
+def throughputs(
+    dsn: str, count: int, queues: dict[str, str]
+) -> tuple[list[dict[str, float]], Usage]:
+    """Each variant's rate in each of the interleaved rounds (after a warm-up round), and
+    the CPU each task took from its worker's processes and from the Postgres server."""
     chosen = variants(dsn)
     names = list(chosen)
+    workers = {strategy: worker_pid(queue) for strategy, queue in queues.items()}
+    server = server_pid(dsn)
+    usage = Usage({name: [] for name in names}, {name: [] for name in names})
     rounds: list[dict[str, float]] = []
     for round_number in range(THROUGHPUT_ROUNDS + 1):
         # The order rotates: no variant always runs right after the same other one.
@@ -300,10 +354,16 @@ def throughputs(dsn: str, count: int, queues: dict[str, str]) -> list[dict[str, 
         rates: dict[str, float] = {}
         for name in names[shift:] + names[:shift]:
             task, strategy = chosen[name]
-            rates[name] = throughput(task, count if round_number else 50, queues[strategy])
+            calls = count if round_number else 50
+            worker_before, server_before = _cpu_seconds(workers[strategy]), _cpu_seconds(server)
+            rates[name] = throughput(task, calls, queues[strategy])
+            if round_number:
+                worker_ms = (_cpu_seconds(workers[strategy]) - worker_before) * 1000 / calls
+                usage.worker[name].append(worker_ms)
+                usage.server[name].append((_cpu_seconds(server) - server_before) * 1000 / calls)
         if round_number:
             rounds.append({name: rates[name] for name in names})
-    return rounds
+    return rounds, usage
 
 
 def medians(rounds: list[dict[str, float]]) -> dict[str, float]:
@@ -481,6 +541,8 @@ class Figures:
     rates: dict[str, float] | None = None
     #: Section 2's rates round by round.
     rounds: list[dict[str, float]] | None = None
+    #: Section 2's CPU per task, of the workers and of the Postgres server.
+    usage: Usage | None = None
     recovery: list[float] | None = None
     lease_recovery: float = 0.0
     fanout: float = 0.0
@@ -522,11 +584,14 @@ def render_latency(f: Figures) -> list[str]:
     lines += [
         "",
         f"The floor is two `SELECT 1` round trips on an open connection: a lock and its"
-        f" release are two round trips at the least. Default strategy against the floor:"
+        f" release, each waited for, are two round trips. The default strategy does not"
+        f" wait for the release's unlock (its answer is read with the next lock, which goes"
+        f" out right behind it when it has not arrived yet), so a cycle costs one round"
+        f" trip and the library's work. Default strategy against the floor:"
         f" {reuse / floor:.2f}x; against the Redis lease: {reuse / lease:.2f}x (targets at"
-        f" the top). The hand-rolled pair of statements on an open session, with no library"
-        f" around it, is {hand / floor:.2f}x the floor; what the library adds to that pair:"
-        f" {(reuse - hand) * 1000:.0f} us per cycle at the median.",
+        f" the top). The hand-rolled pair of statements on an open session, each waited for"
+        f" and with no library around it, is {hand / floor:.2f}x the floor; the library"
+        f" against that pair: {(reuse - hand) * 1000:+.0f} us per cycle at the median.",
         "",
     ]
     return lines
@@ -539,11 +604,17 @@ def render_throughput(f: Figures) -> list[str]:
         f"## 2. Celery throughput, no-op step, 2 worker processes (median of"
         f" {THROUGHPUT_ROUNDS} interleaved rounds of {f.args.tasks // 5} tasks sent at once)",
         "",
-        "| task | tasks/s | ratio to plain |",
-        "| --- | ---: | ---: |",
+        "| task | tasks/s | ratio to plain | worker CPU ms/task | Postgres CPU ms/task |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
+    usage = f.usage
     for name, rate in f.rates.items():
-        lines.append(f"| {name} | {rate:.0f} | {rate / plain:.2f} |")
+        cpu = (
+            f"{usage.median('worker', name):.2f} | {usage.median('server', name):.2f}"
+            if usage is not None
+            else "- | -"
+        )
+        lines.append(f"| {name} | {rate:.0f} | {rate / plain:.2f} | {cpu} |")
     if "TenantLockedTask, shared" not in f.rates:
         lines.append(f"| TenantLockedTask, shared | {scale.NOT_AVAILABLE} | |")
     default = f.rates[LOCKED_DEFAULT]
@@ -556,8 +627,10 @@ def render_throughput(f: Figures) -> list[str]:
         f" {', '.join(f'{r:.0%}' for r in ratios)}, median {statistics.median(ratios):.0%}."
         f" A no-op task here costs"
         f" about {2000 / plain:.1f} ms of a worker process; a locked one"
-        f" {2000 / default:.1f} ms: it adds two Postgres round trips and the work of a Postgres"
-        " backend per call. On this 2-core machine the client, both worker processes, the"
+        f" {2000 / default:.1f} ms: it adds one Postgres round trip (the lock; its release is"
+        " not waited for) and the work of a Postgres backend per call (the CPU columns, medians"
+        " of the rounds: the worker's processes and the whole Postgres server, measured around"
+        " each run). On this 2-core machine the client, both worker processes, the"
         " worker's main process, Redis and Postgres share two cores (with other work), so the"
         " run is CPU-bound and every locked call's server work is taken from the worker"
         " processes: the ratio measures CPU per call more than latency. With the database on"
@@ -667,9 +740,10 @@ def targets(f: Figures) -> list[Target]:
             "Lock+release p50, default strategy: <= 0.6x the Redis lease",
             f"{reuse:.3f} ms vs {lease:.3f} ms: {reuse / lease:.2f}x",
             reuse / lease <= 0.6,
-            f"a lock and its release, each waited for, are two round trips, as the lease's SET"
-            f" and delete are: the two statements alone, with no library, are"
-            f" {hand / lease:.2f}x the lease; the library adds {library_us:.0f} us",
+            f"the release's unlock is not waited for: one round trip per cycle against the"
+            f" lease's two (SET, then the delete); the two lock statements each waited for,"
+            f" with no library, are {hand / lease:.2f}x the lease; the library against them:"
+            f" {library_us:+.0f} us",
         )
     )
     found.append(
@@ -677,8 +751,9 @@ def targets(f: Figures) -> list[Target]:
             "Lock+release p50, default strategy: <= 1.2x two `SELECT 1` round trips",
             f"{reuse:.3f} ms vs {floor:.3f} ms: {reuse / floor:.2f}x",
             reuse / floor <= 1.2,
-            f"the two lock statements alone, with no library, are {hand / floor:.2f}x two"
-            f" `SELECT 1`; the library adds {library_us:.0f} us",
+            f"the two lock statements each waited for, with no library, are"
+            f" {hand / floor:.2f}x two `SELECT 1`; the library, waiting for the lock only,"
+            f" against them: {library_us:+.0f} us",
         )
     )
     flat = f.scaled.flat
@@ -726,13 +801,28 @@ def targets(f: Figures) -> list[Target]:
             f"{ratio:.0%} (rounds {ratios[0]:.0%} to {ratios[-1]:.0%}; medians {default:.0f}"
             f" vs {plain:.0f} tasks/s)",
             ratio >= 0.95,
-            f"a lock cycle's {reuse:.2f} ms (section 1) against {per_task:.1f} ms of a worker"
-            f" process per plain task would alone give {per_task / (per_task + reuse):.0%}; the"
-            " rest is CPU taken from the same two cores (the backend's work per lock) and this"
-            " machine's other load, as the spread of the rounds shows",
+            _throughput_why(f, reuse, per_task),
         )
     )
     return found
+
+
+def _throughput_why(f: Figures, reuse: float, per_task: float) -> str:
+    why = (
+        f"a lock cycle's {reuse:.2f} ms (section 1) against {per_task:.1f} ms of a worker"
+        f" process per plain task would alone give {per_task / (per_task + reuse):.0%}"
+    )
+    usage = f.usage
+    if usage is None or not usage.worker[PLAIN_TASK]:
+        return why + "; the rest is CPU taken from the same two cores and other load"
+    extra = usage.median("worker", LOCKED_DEFAULT) - usage.median("worker", PLAIN_TASK)
+    server = usage.median("server", LOCKED_DEFAULT) - usage.median("server", PLAIN_TASK)
+    return (
+        f"{why}; measured, a locked call takes {extra:+.2f} ms of the worker's CPU and"
+        f" {server:+.2f} ms of the Postgres server's, both from the same two cores that"
+        " run the client, the workers and Redis (and this machine's other load, as the"
+        " spread of the rounds shows)"
+    )
 
 
 def render_targets(f: Figures) -> list[str]:
@@ -807,7 +897,7 @@ def run_sections(f: Figures, dsn: str, broker: str, work: Path, chosen: set[str]
                 workers.enter_context(
                     worker({**env, "PGLOCK_STRATEGY": strategy, "PGLOCK_BENCH_QUEUE": queue}, work)
                 )
-            f.rounds = throughputs(dsn, args.tasks // 5, queues)
+            f.rounds, f.usage = throughputs(dsn, args.tasks // 5, queues)
             f.rates = medians(f.rounds)
         for name, rate in f.rates.items():
             print(f"  {name}: {rate:.0f} tasks/s", flush=True)
