@@ -523,8 +523,8 @@ def test_one_lock_object_may_poll_until_it_gets_the_lock(pg_dsn: str, run_id: st
     assert poller.acquire()
     with pytest.raises(RuntimeError, match="already held"):
         poller.acquire()
-    poller.release()
-    assert free_elsewhere(pg_dsn, f"a:{run_id}")
+    poller.release()  # its unlock may not be waited for: free once the server reads it
+    wait_until(lambda: free_elsewhere(pg_dsn, f"a:{run_id}"), 5, "the released lock to be free")
 
 
 def test_a_session_serves_many_holders_that_use_their_handles(pg_dsn: str, run_id: str) -> None:

@@ -33,6 +33,7 @@ from pglock_celery import LockLost, lock_key, sessions
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
 from pglock_celery.scheduler import scheduler
+from tests.helpers.services import wait_until
 
 NAMES = ("a", "b", "c")
 CHECK_INTERVAL = 0.05
@@ -75,8 +76,11 @@ class LockSessionLives(RuleBasedStateMachine):
         target=held,
         name=st.sampled_from(NAMES),
         strategy=st.sampled_from(["reuse", "connect"]),
+        look=st.booleans(),
     )
-    def acquire(self, name: str, strategy: str) -> Entry:
+    def acquire(self, name: str, strategy: str, look: bool) -> Entry:
+        """Take a lock; with ``look``, check through a handle that its session is pristine
+        (a holder with a handle is reset at release; one without has its unlock unwaited)."""
         config = PglockConfig(dsn=self.dsn, strategy=strategy, check_interval=CHECK_INTERVAL)
         lock = AdvisoryLock(self._name(name), config=config)
         busy = bool(self._holds(name))
@@ -91,7 +95,7 @@ class LockSessionLives(RuleBasedStateMachine):
             pytest.fail(f"{name}: acquired {got}, but the model says held {busy}: {who}")
         entry = Entry(lock, name)
         self.entries.append(entry)
-        if lock.acquired:
+        if lock.acquired and look:
             self._assert_pristine(lock)
         return entry
 
@@ -119,7 +123,8 @@ class LockSessionLives(RuleBasedStateMachine):
         if entry.handle is not None:
             self.kept_handles.append((entry.handle, entry.name))
         if was_held and not self._holds(entry.name):
-            assert self._free(entry.name), f"{entry.name} still held after its release"
+            # Free once the server read the unlock, which a release may not wait for.
+            wait_until(lambda: self._free(entry.name), 5, f"{entry.name} to be free after release")
 
     @rule(entry=held, how=st.sampled_from(["autocommit", "rows", "prepare", "read_only"]))
     def change_client_state(self, entry: Entry, how: str) -> None:
