@@ -18,6 +18,7 @@ libpq never writes a goodbye on a descriptor number that may be reused.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
@@ -140,6 +141,20 @@ def settle_idle(config: PglockConfig) -> bool:
         with session.guard:
             _settle(session)
     return bool(pending)
+
+
+def settle_all() -> None:
+    """Read every unlock this process's idle sessions sent without waiting (at exit:
+    what they show is reported before the process goes)."""
+    with _guard:
+        pending = [s for stack in _idle.values() for s in stack if s.pending]
+    for session in pending:
+        if session.pid == os.getpid():
+            with session.guard:
+                _settle(session)
+
+
+atexit.register(settle_all)
 
 
 def _settle(session: LockSession) -> None:

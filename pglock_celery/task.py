@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import psycopg
 from celery import Task, signals
 
+from . import sessions
 from .config import PglockConfig, get_config
 from .exceptions import (
     ConfigurationError,
@@ -59,6 +60,12 @@ def _events_flag_to_conf(conf: Any = None, options: Any = None, **_: Any) -> Non
     """
     if conf is not None and options and options.get("task_events"):
         conf.worker_send_task_events = True
+
+
+@signals.worker_process_shutdown.connect
+def _settle_unlocks(**_: Any) -> None:
+    """A pool process that ends reads its last unwaited unlocks first (it may skip atexit)."""
+    sessions.settle_all()
 
 
 #: Options of other lock libraries (celery-once, celery-singleton) that mean nothing

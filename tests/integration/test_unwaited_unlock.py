@@ -15,6 +15,8 @@ import logging
 import os
 import select
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -223,3 +225,37 @@ def test_a_loss_found_after_the_step_does_not_end_the_process(pg_dsn: str, run_i
     step.apply((run_id,)).get()
     wait_until(lambda: reports, 5, "the loss to be reported")
     assert reports == ["it was no longer held at release"]  # and this process lives on
+
+
+EXITS_RIGHT_AFTER = """
+import sys
+from pglock_celery import sessions
+from pglock_celery.config import PglockConfig
+from pglock_celery.lock import AdvisoryLock
+
+config = PglockConfig(dsn=sys.argv[1], strategy="reuse")
+for _ in range(2):  # the unlock is prepared on the session's second one
+    with AdvisoryLock(sys.argv[2] + ":warm", config=config):
+        pass
+lock = AdvisoryLock(sys.argv[2], config=config, task_id="last-task")
+assert lock.acquire()
+lock._session.conn.execute("SELECT pg_advisory_unlock_all()")
+lock.release()
+assert any(s.pending for stack in sessions._idle.values() for s in stack), "not unwaited"
+"""
+
+
+def test_a_process_that_exits_right_after_a_release_still_reports_its_loss(
+    pg_dsn: str, run_id: str
+) -> None:
+    name = f"exit:{run_id}"
+    done = subprocess.run(
+        [sys.executable, "-c", EXITS_RIGHT_AFTER, pg_dsn, name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"lock {name} was lost before its release" in done.stderr
+    assert "(task last-task)" in done.stderr
