@@ -30,6 +30,8 @@ from .handles import HandleConnection, Revoked, dead_pgconn
 _PEEK_BYTES = 8192
 #: The protocol's ErrorResponse: unasked, it is the server ending the session.
 _ERROR_MESSAGE = b"E"
+#: What an unlock's reader is told when its answer was never read.
+_UNREAD = psycopg.OperationalError("the answer to the unlock was never read (interrupted)")
 #: SQLSTATE of a prepared statement that is not there (a holder deallocated it).
 _NO_SUCH_STATEMENT = b"26000"
 
@@ -230,9 +232,23 @@ class LockSession:
         return not self.pgconn.is_busy()
 
     def _settle(self, send_next: Callable[[], None] | None) -> pq.abc.PGresult:
-        """Read the awaited result, with ``send_next``'s sent behind it: return the latter's."""
-        on_result, self._pending = self._pending, None
+        """Read the awaited result, with ``send_next``'s sent behind it: return the latter's.
+
+        The session reads as pending until the answer is in (another thread waiting
+        for this process's unlocks waits for the guard, then finds it read).
+        """
+        on_result = self._pending
         assert on_result is not None
+        try:
+            return self._read_pending(on_result, send_next)
+        finally:
+            self._pending = None
+
+    def _read_pending(
+        self,
+        on_result: Callable[[pq.abc.PGresult | psycopg.Error], bool],
+        send_next: Callable[[], None] | None,
+    ) -> pq.abc.PGresult:
         pgconn = self.pgconn
         results: list[pq.abc.PGresult] = []
         try:
@@ -248,6 +264,11 @@ class LockSession:
         except psycopg.Error as exc:
             on_result(results[0] if results else exc)  # the session may have died after it
             self.conn.close()
+            raise
+        except BaseException:
+            # Interrupted (the session is closed by now, see _wait): what the unlock
+            # answered is reported if it came, else that it cannot be known.
+            on_result(results[0] if results else _UNREAD)
             raise
         if not on_result(results[0]):
             self.conn.close()

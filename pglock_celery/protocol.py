@@ -92,6 +92,9 @@ def acquire(
     process (strategy ``reuse``), else a new one named ``startup_name``.
     """
     reuse = config.strategy == sessions.REUSE
+    if wait and reuse:
+        # A wait must not wait for this process's own unlocks still unread.
+        sessions.settle_pending()
     session = kept if kept is not None or not reuse else sessions.take(config)
     got = False
     if session is not None:
@@ -108,10 +111,16 @@ def acquire(
     if session is None:
         session = open_session(config, startup_name)
         got = _lock_or_fail(session, lock_on, label)
-    if not got and not wait and reuse and sessions.settle_idle(config):
+    if not got and not wait and reuse:
         # This process's own unlocks, sent a moment ago, may not have been read
         # by the server yet: once they are, a lock it released is free.
-        got = _lock_or_fail(session, lock_on, label)
+        try:
+            settled = sessions.settle_pending()
+        except BaseException:
+            sessions.discard(session)
+            raise
+        if settled:
+            got = _lock_or_fail(session, lock_on, label)
     return session, got
 
 
@@ -249,6 +258,7 @@ def _unlock(
                     and hold.lost is None
                     and not session.handed_out
                     and not session.pgconn.pipeline_status
+                    and session.alive()  # the server's goodbye fails the release now
                     and session.send(_UNLOCK_FOR_REUSE[0], params, on_result)
                 ):
                     return True

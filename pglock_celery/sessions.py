@@ -130,31 +130,23 @@ def confirm_idle() -> bool:
     return left
 
 
-def settle_idle(config: PglockConfig) -> bool:
-    """Wait for the unlocks idle sessions sent for ``config``'s DSN; whether there were any.
+def settle_pending() -> bool:
+    """Wait for every unlock this process's sessions sent without waiting; whether any were.
 
-    A lock this process released a moment ago is free once they are read.
+    Idle or taken by another holder (which reads it first), whatever their DSN:
+    a lock this process released a moment ago is free once they are read.
     """
     with _guard:
-        pending = [s for s in _idle.get(config.require_dsn(), []) if s.pending]
+        pending = [s for s in _open if s.pending and s.pid == os.getpid()]
     for session in pending:
         with session.guard:
-            _settle(session)
+            if session.pending:
+                _settle(session)
     return bool(pending)
 
 
-def settle_all() -> None:
-    """Read every unlock this process's idle sessions sent without waiting (at exit:
-    what they show is reported before the process goes)."""
-    with _guard:
-        pending = [s for stack in _idle.values() for s in stack if s.pending]
-    for session in pending:
-        if session.pid == os.getpid():
-            with session.guard:
-                _settle(session)
-
-
-atexit.register(settle_all)
+# At exit, what the last unlocks show is reported before the process goes.
+atexit.register(settle_pending)
 
 
 def _settle(session: LockSession) -> None:

@@ -65,7 +65,7 @@ def _events_flag_to_conf(conf: Any = None, options: Any = None, **_: Any) -> Non
 @signals.worker_process_shutdown.connect
 def _settle_unlocks(**_: Any) -> None:
     """A pool process that ends reads its last unwaited unlocks first (it may skip atexit)."""
-    sessions.settle_all()
+    sessions.settle_pending()
 
 
 #: Options of other lock libraries (celery-once, celery-singleton) that mean nothing

@@ -77,6 +77,31 @@ def stopped(backend: int) -> Iterator[None]:
         os.kill(backend, signal.SIGCONT)
 
 
+#: How long a backend stays paused when the code under test must wait for it.
+PAUSE = 0.5
+
+
+@contextlib.contextmanager
+def stopped_for_a_while(backend: int) -> Iterator[threading.Event]:
+    """Pause one of this test's own backends; it goes on after PAUSE (the event is set
+    then), or on the way out at the latest."""
+    resumed = threading.Event()
+
+    def resume() -> None:
+        if not resumed.is_set():
+            os.kill(backend, signal.SIGCONT)
+            resumed.set()
+
+    os.kill(backend, signal.SIGSTOP)
+    timer = threading.Timer(PAUSE, resume)
+    timer.start()
+    try:
+        yield resumed
+    finally:
+        timer.cancel()
+        resume()
+
+
 def session_of(held: AdvisoryLock) -> Any:
     session = held._session
     assert session is not None
@@ -251,15 +276,14 @@ def test_a_try_sees_this_process_release_while_another_thread_reads_that_unlock(
     got_c = None
     thread = threading.Thread(target=lambda: (b_lock.acquire(), b_done.set()), daemon=True)
     try:
-        with stopped(s1.backend_pid):
+        with stopped_for_a_while(s1.backend_pid) as resumed:
             a.release()  # s1 back on top of the cache, its unlock unread
             thread.start()  # B takes s1 and reads its unlock, pipelined: blocked
-            wait_until(
-                lambda: sessions.idle_count() == 1 and not s1.pending,
-                5,
-                "thread B to be reading s1's unlock",
-            )
+            # B took s1 (it reads the unlock, or C's wait for this process's unlocks
+            # reads it first: either way C may get X only once it is read).
+            wait_until(lambda: sessions.idle_count() == 1, 5, "thread B to take s1")
             got_c = c_lock.acquire()  # C: on the other cached session
+            assert resumed.is_set(), "C got X while its unlock was still unread"
         assert got_c, "a try of this process found its own released lock held (skipped)"
     finally:
         thread.join(10)
@@ -280,9 +304,9 @@ def test_a_wait_with_a_timeout_sees_this_process_own_release(pg_dsn: str, run_id
     a, b = lock(pg_dsn, x), lock(pg_dsn, y)
     assert a.acquire() and b.acquire()
     s1 = session_of(a)
-    waiter = lock(pg_dsn, x, wait=True, timeout=0.2)
+    waiter = lock(pg_dsn, x, wait=True, timeout=0.2)  # shorter than the pause
     try:
-        with stopped(s1.backend_pid):
+        with stopped_for_a_while(s1.backend_pid):
             a.release()  # unread
             b.release()  # on top: the wait runs on b's session
             try:
@@ -315,9 +339,10 @@ def test_a_try_with_the_dsn_spelled_otherwise_sees_this_process_release(
     s1 = session_of(a)
     other = AdvisoryLock(x, config=PglockConfig(dsn=uri, strategy="reuse"))
     try:
-        with stopped(s1.backend_pid):
+        with stopped_for_a_while(s1.backend_pid) as resumed:
             a.release()
             got = other.acquire()
+            assert resumed.is_set(), "the try got X while its unlock was still unread"
         assert got, "a try of this process found its own released lock held (skipped)"
     finally:
         other.release()
