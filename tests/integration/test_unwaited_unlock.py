@@ -13,7 +13,6 @@ import contextlib
 import functools
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import psycopg
 import pytest
 from celery import Celery
 
-from pglock_celery import LockLost, TenantLockedTask, current_lock, lock_key, monitor, sessions
+from pglock_celery import TenantLockedTask, current_lock, lock_key, monitor, sessions
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
 from tests.helpers.services import wait_until
@@ -154,22 +153,6 @@ def test_a_loss_shown_by_the_unlock_is_reported_after_the_release(
     assert getattr(record, "task_id", None) == f"task-{run_id}"
     assert name in record.getMessage()
     wait_until(lambda: sessions.idle_count() == 0, 5, "the session to be closed, not kept")
-
-
-def test_a_session_that_ended_while_held_fails_its_release_at_once(
-    pg_dsn: str, run_id: str, admin: psycopg.Connection[Any]
-) -> None:
-    name = f"a:{run_id}"
-    held = lock(pg_dsn, name)
-    assert held.acquire()
-    session = held._session
-    assert session is not None
-    admin.execute("SELECT pg_terminate_backend(%s)", (backend_of(admin, name),))
-    readable, _, _ = select.select([session.pgconn.socket], [], [], 10)
-    assert readable, "the server's goodbye did not arrive"
-    with pytest.raises(LockLost, match="failed at release"):
-        held.release()
-    assert sessions.idle_count() == 0
 
 
 @pytest.mark.parametrize("followed", [True, False], ids=["with a link", "alone"])
