@@ -273,6 +273,7 @@ def throughput(task_name: str, count: int, queue: str) -> float:
 
 PLAIN_TASK = "plain Celery task"
 LOCKED_DEFAULT = "TenantLockedTask, reuse (default)"
+LEASE_TASK = "Redis-lease base task"
 
 
 def variants(dsn: str) -> dict[str, tuple[str, str]]:
@@ -282,7 +283,7 @@ def variants(dsn: str) -> dict[str, tuple[str, str]]:
         LOCKED_DEFAULT: ("locked", "reuse"),
         "TenantLockedTask, shared": ("locked", "shared"),
         "TenantLockedTask, connect": ("locked", "connect"),
-        "Redis-lease base task": ("leased", "reuse"),
+        LEASE_TASK: ("leased", "reuse"),
     }
     return {name: v for name, v in found.items() if v[1] in strategies(dsn)}
 
@@ -817,11 +818,17 @@ def _throughput_why(f: Figures, reuse: float, per_task: float) -> str:
         return why + "; the rest is CPU taken from the same two cores and other load"
     extra = usage.median("worker", LOCKED_DEFAULT) - usage.median("worker", PLAIN_TASK)
     server = usage.median("server", LOCKED_DEFAULT) - usage.median("server", PLAIN_TASK)
+    lease = ""
+    if LEASE_TASK in usage.worker:
+        leased = usage.median("worker", LEASE_TASK) - usage.median("worker", PLAIN_TASK)
+        lease = f" (a Redis lease task {leased:+.2f} ms)"
     return (
-        f"{why}; measured, a locked call takes {extra:+.2f} ms of the worker's CPU and"
-        f" {server:+.2f} ms of the Postgres server's, both from the same two cores that"
-        " run the client, the workers and Redis (and this machine's other load, as the"
-        " spread of the rounds shows)"
+        f"{why}; measured, a locked call takes {extra:+.2f} ms of the worker's CPU{lease}"
+        f" and {server:+.2f} ms of the Postgres server's, all from the same two cores that"
+        " run the client, the workers and Redis: the lock's two socket sends (the lock, the"
+        " unwaited unlock) cost the sender more than a round trip's wait on this VM, where a"
+        " loopback send runs the receiver's network stack (and this machine's other load,"
+        " as the spread of the rounds shows)"
     )
 
 
