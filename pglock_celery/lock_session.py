@@ -3,12 +3,15 @@
 A :class:`LockSession` is one dedicated libpq connection. The library talks to
 it through a private psycopg connection that no holder ever sees, with its own
 statements prepared under names of their own (:meth:`LockSession.query`); a
-holder gets a handle of its own (:meth:`LockSession.handle`), a fresh psycopg
-connection over the same socket, so every client-side attribute starts at its
-default. At release every handle is revoked: each statement through it, or
-through a cursor made from it, fails from then on. One re-entrant lock per
-session (its guard) serialises the handles, the library's statements and the
-monitor.
+holder gets a handle of its own (:meth:`LockSession.handle`, see handles.py), a
+fresh psycopg connection over the same socket, so every client-side attribute
+starts at its default. At release every handle is revoked: each statement
+through it, or through a cursor made from it, fails from then on. One statement
+at a time may be sent without waiting for its answer (:meth:`LockSession.send`,
+in libpq's pipeline mode); the answer is read before the session's next
+statement, which goes out right behind it when it has not arrived. One
+re-entrant lock per session (its guard) serialises the handles, the library's
+statements and the monitor.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ Under strategy ``reuse`` the unlock of a session going back to the cache is
 sent without waiting for its result: it is read before the session's next
 statement (behind which the next lock goes out when it has not arrived yet),
 or by the monitor scheduler within a tick. A lock found lost then is reported
-after the release returned (see Hold.lost_at_release).
+after the release returned (see Hold.lost_at_release). A try that finds a name
+held, and a wait before it starts, first wait for this process's unread unlocks
+(sessions.settle_pending): a lock released here is free for the next lock here.
 """
 
 from __future__ import annotations
