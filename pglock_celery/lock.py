@@ -3,10 +3,11 @@
 Each granted acquire is a *hold* (monitor.py), the lock's session from grant
 to release, watched for loss. A hold has its session to itself (strategy
 ``connect`` opens one, ``reuse`` checks one out of this process's idle
-sessions, see sessions.py): session-level advisory locks are re-entrant within
-a session, so two holders on one session would both get in. Every lock
-statement proves that it ran on the session's own backend, so a session moved
-by a pooler fails closed instead of locking elsewhere.
+sessions, see sessions.py; ``shared`` shares a few, see shared.py):
+session-level advisory locks are re-entrant within a session, so two holders on
+one session would both get in. Every lock statement proves that it ran on the
+session's own backend, so a session moved by a pooler fails closed instead of
+locking elsewhere (protocol.py).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 A hold is a lock's session from grant to release, with its own loss state, so
 nothing of an earlier hold (a released one, one on a session that died while
 cached) can leave a later one unwatched. While a hold lasts past one check
-interval, a monitor thread checks its session whenever no statement runs on it,
-atomically with respect to the holder (both go through the session's guard).
+interval, a monitor thread (started by scheduler.py) checks its session
+whenever no statement runs on it, atomically with respect to the holder (both
+go through the session's guard).
 Between transactions it asks the server (alive, still holding the lock, a
 primary); inside the body's transaction it peeks at the socket only, which
 tells when the server ended the session, without disturbing the transaction.
