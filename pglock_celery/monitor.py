@@ -153,35 +153,16 @@ class Hold:
                 # so that no further write of this holder can commit.
                 with contextlib.suppress(psycopg.Error):
                     session.conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
-        logger.error(
-            "lock %s lost by %s: %s",
-            self.label,
-            self.application_name,
-            reason,
-            extra={
-                "lock": self.label,
-                "key": self.key,
-                "task_id": self.task_id,
-                "holder": self.application_name,
-                "reason": reason,
-            },
-        )
+        self._log_loss("lock %s lost by %s (task %s): %s", reason)
         if self.on_lost is not None:
             self.on_lost(self, reason)
         if failed and session.on_failure is not None:
             session.on_failure(reason)
 
-    def count_lost_at_release(self) -> None:
-        with _losses_lock:
-            losses["at_release"] += 1
-
-    def lost_at_release(self, reason: str) -> None:
-        """Report a loss found after the release returned (its unlock was not waited for)."""
-        self.lost = self.lost or reason
-        self.lost_after_release = True
-        self.count_lost_at_release()
+    def _log_loss(self, message: str, reason: str) -> None:
+        """Log a loss at error level: ``message`` takes the label, holder, task id, reason."""
         logger.error(
-            "lock %s was lost before its release by %s (task %s): %s",
+            message,
             self.label,
             self.application_name,
             self.task_id,
@@ -194,6 +175,17 @@ class Hold:
                 "reason": reason,
             },
         )
+
+    def count_lost_at_release(self) -> None:
+        with _losses_lock:
+            losses["at_release"] += 1
+
+    def lost_at_release(self, reason: str) -> None:
+        """Report a loss found after the release returned (its unlock was not waited for)."""
+        self.lost = self.lost or reason
+        self.lost_after_release = True
+        self.count_lost_at_release()
+        self._log_loss("lock %s was lost before its release by %s (task %s): %s", reason)
         if self.on_lost is not None:
             try:
                 self.on_lost(self, reason)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 from celery import Celery
 
@@ -57,6 +59,13 @@ def workers(app: Celery, worker_env: dict[str, str], log_dir: Path) -> Iterator[
     finally:
         for worker in started:
             worker.stop()
+
+
+@pytest.fixture
+def admin(pg_dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    """A plain autocommit connection to the run's database, to look from outside."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        yield conn
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from pglock_celery import LockLost, LockTimeout, TenantLockedTask, lock_key, mon
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
 from tests.helpers.services import wait_until
+from tests.helpers.unwaited import lock, paused, warm
 
 
 @pytest.fixture(autouse=True)
@@ -32,32 +33,6 @@ def empty_cache() -> Iterator[None]:
     sessions.close_idle()
     yield
     sessions.close_idle()
-
-
-@pytest.fixture
-def admin(pg_dsn: str) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        yield conn
-
-
-def lock(dsn: str, name: str, **options: Any) -> AdvisoryLock:
-    return AdvisoryLock(name, config=PglockConfig(dsn=dsn, strategy="reuse"), **options)
-
-
-def warm(dsn: str, sessions_wanted: int = 1) -> None:
-    """Cache sessions on which the unlock is prepared (only then is it sent unwaited)."""
-    for _ in range(2):
-        with contextlib.ExitStack() as stack:
-            for i in range(sessions_wanted):
-                assert stack.enter_context(lock(dsn, f"warm:{os.getpid()}:{i}")).acquired
-    assert sessions.idle_count() == sessions_wanted
-
-
-def free(admin: psycopg.Connection[Any], name: str) -> bool:
-    got = admin.execute("SELECT pg_try_advisory_lock(%s)", (lock_key(name),)).fetchone()
-    if got and got[0]:
-        admin.execute("SELECT pg_advisory_unlock_all()")
-    return bool(got and got[0])
 
 
 def alive(admin: psycopg.Connection[Any], backend: int) -> bool:
@@ -75,31 +50,6 @@ def stopped(backend: int) -> Iterator[None]:
         yield
     finally:
         os.kill(backend, signal.SIGCONT)
-
-
-#: How long a backend stays paused when the code under test must wait for it.
-PAUSE = 0.5
-
-
-@contextlib.contextmanager
-def stopped_for_a_while(backend: int) -> Iterator[threading.Event]:
-    """Pause one of this test's own backends; it goes on after PAUSE (the event is set
-    then), or on the way out at the latest."""
-    resumed = threading.Event()
-
-    def resume() -> None:
-        if not resumed.is_set():
-            os.kill(backend, signal.SIGCONT)
-            resumed.set()
-
-    os.kill(backend, signal.SIGSTOP)
-    timer = threading.Timer(PAUSE, resume)
-    timer.start()
-    try:
-        yield resumed
-    finally:
-        timer.cancel()
-        resume()
 
 
 def session_of(held: AdvisoryLock) -> Any:
@@ -276,7 +226,7 @@ def test_a_try_sees_this_process_release_while_another_thread_reads_that_unlock(
     got_c = None
     thread = threading.Thread(target=lambda: (b_lock.acquire(), b_done.set()), daemon=True)
     try:
-        with stopped_for_a_while(s1.backend_pid) as resumed:
+        with paused(s1.backend_pid) as resumed:
             a.release()  # s1 back on top of the cache, its unlock unread
             thread.start()  # B takes s1 and reads its unlock, pipelined: blocked
             # B took s1 (it reads the unlock, or C's wait for this process's unlocks
@@ -306,7 +256,7 @@ def test_a_wait_with_a_timeout_sees_this_process_own_release(pg_dsn: str, run_id
     s1 = session_of(a)
     waiter = lock(pg_dsn, x, wait=True, timeout=0.2)  # shorter than the pause
     try:
-        with stopped_for_a_while(s1.backend_pid):
+        with paused(s1.backend_pid):
             a.release()  # unread
             b.release()  # on top: the wait runs on b's session
             try:
@@ -339,7 +289,7 @@ def test_a_try_with_the_dsn_spelled_otherwise_sees_this_process_release(
     s1 = session_of(a)
     other = AdvisoryLock(x, config=PglockConfig(dsn=uri, strategy="reuse"))
     try:
-        with stopped_for_a_while(s1.backend_pid) as resumed:
+        with paused(s1.backend_pid) as resumed:
             a.release()
             got = other.acquire()
             assert resumed.is_set(), "the try got X while its unlock was still unread"

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -24,13 +22,9 @@ import psycopg
 import pytest
 from celery import Celery
 
-from pglock_celery import TenantLockedTask, current_lock, lock_key, monitor, sessions
-from pglock_celery.config import PglockConfig
-from pglock_celery.lock import AdvisoryLock
+from pglock_celery import TenantLockedTask, current_lock, monitor, sessions
 from tests.helpers.services import wait_until
-
-#: How long a paused backend stays paused.
-PAUSE = 0.5
+from tests.helpers.unwaited import free, lock, paused, warm
 
 
 @pytest.fixture(autouse=True)
@@ -38,26 +32,6 @@ def empty_cache() -> Iterator[None]:
     sessions.close_idle()
     yield
     sessions.close_idle()
-
-
-@pytest.fixture
-def admin(pg_dsn: str) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        yield conn
-
-
-def lock(dsn: str, name: str, **options: Any) -> AdvisoryLock:
-    return AdvisoryLock(name, config=PglockConfig(dsn=dsn, strategy="reuse"), **options)
-
-
-def warm(dsn: str, sessions_wanted: int = 1) -> None:
-    """Have the cache hold sessions that ran the unlock twice: it is prepared there
-    now, and only a prepared unlock goes out without waiting."""
-    for _ in range(2):
-        with contextlib.ExitStack() as stack:
-            for i in range(sessions_wanted):
-                assert stack.enter_context(lock(dsn, f"warm:{os.getpid()}:{i}")).acquired
-    assert sessions.idle_count() == sessions_wanted
 
 
 def backend_of(admin: psycopg.Connection[Any], name: str) -> int:
@@ -68,31 +42,6 @@ def backend_of(admin: psycopg.Connection[Any], name: str) -> int:
     ).fetchone()
     assert row is not None, f"no session is named after {name}"
     return int(row[0])
-
-
-def free(admin: psycopg.Connection[Any], name: str) -> bool:
-    got = admin.execute("SELECT pg_try_advisory_lock(%s)", (lock_key(name),)).fetchone()
-    if got and got[0]:
-        admin.execute("SELECT pg_advisory_unlock_all()")
-    return bool(got and got[0])
-
-
-@contextlib.contextmanager
-def paused(backend: int) -> Iterator[threading.Event]:
-    """Stop ``backend`` now; it goes on after PAUSE (the event is set then)."""
-    resumed = threading.Event()
-
-    def resume() -> None:
-        os.kill(backend, signal.SIGCONT)
-        resumed.set()
-
-    os.kill(backend, signal.SIGSTOP)
-    timer = threading.Timer(PAUSE, resume)
-    timer.start()
-    try:
-        yield resumed
-    finally:
-        timer.join()
 
 
 def test_a_release_returns_before_the_server_read_its_unlock(
