@@ -34,6 +34,10 @@ app.conf.update(
         "visibility_timeout": float(os.environ.get("PGLOCK_TEST_VISIBILITY_TIMEOUT", "3600")),
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        # kombu's default of 10 Redis connections per channel runs out under a gevent
+        # pool of hundreds acking late (redis-py then raises MaxConnectionsError and
+        # the worker reconnects, losing acks): room for every green thread.
+        "max_connections": 1000,
     },
 )
 
