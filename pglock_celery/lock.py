@@ -28,7 +28,7 @@ from celery._state import get_current_task
 
 from . import protocol, sessions, shared
 from .config import PglockConfig, get_config
-from .connection import application_name, idle_name, open_session
+from .connection import application_name, open_session
 from .exceptions import LockLost, PglockError
 from .inspect import Holder, holder_on
 from .keys import cached_lock_key, check_key, check_lock_name, check_timeout
@@ -148,14 +148,8 @@ class AdvisoryLock:
         if self._shared:
             return self._acquire_shared()
         kept, self._session = self._session, None  # kept from a failed try, for polling
-        startup = idle_name(self.config.application_name) if self._reuse else None
         session, got = protocol.acquire(
-            self.config,
-            kept,
-            self._lock_on,
-            self.label,
-            startup or self.application_name,
-            wait=self._wait,
+            self.config, kept, self._lock_on, self.label, self.application_name, wait=self._wait
         )
         self._settle(session, self._make_hold(session) if got else None)
         return got

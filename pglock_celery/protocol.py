@@ -84,14 +84,15 @@ def acquire(
     kept: LockSession | None,
     lock_on: Callable[[LockSession], bool],
     label: str,
-    startup_name: str,
+    application_name: str,
     *,
     wait: bool,
 ) -> tuple[LockSession, bool]:
     """Take a lock with ``lock_on`` on a dedicated session; return it and whether granted.
 
     The session is the one ``kept`` from a failed try, else an idle one of this
-    process (strategy ``reuse``), else a new one named ``startup_name``.
+    process (strategy ``reuse``), else a new one: under ``reuse`` named as idle
+    (it outlives its holder), else ``application_name``.
     """
     reuse = config.strategy == sessions.REUSE
     if wait and reuse:
@@ -111,7 +112,8 @@ def acquire(
             sessions.discard(session)
             raise
     if session is None:
-        session = open_session(config, startup_name)
+        startup = idle_name(config.application_name) if reuse else application_name
+        session = open_session(config, startup)
         got = _lock_or_fail(session, lock_on, label)
     if not got and not wait and reuse:
         # This process's own unlocks, sent a moment ago, may not have been read
