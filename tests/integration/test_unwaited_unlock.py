@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -191,3 +192,34 @@ def test_a_process_that_exits_right_after_a_release_still_reports_its_loss(
     assert done.returncode == 0, done.stderr
     assert f"lock {name} was lost before its release" in done.stderr
     assert "(task last-task)" in done.stderr
+
+
+def test_a_child_forked_while_an_unlock_is_unread_leaves_it_to_its_parent(
+    pg_dsn: str, run_id: str, admin: psycopg.Connection[Any]
+) -> None:
+    """The child neither reads nor closes the parent's session with its unlock in flight;
+    the parent reads it, and its session goes on serving the parent's next lock."""
+    name = f"fork:{run_id}"
+    warm(pg_dsn)
+    held = lock(pg_dsn, name)
+    assert held.acquire()
+    session = held._session
+    assert session is not None
+    with paused(session.backend_pid):
+        held.release()
+        assert session.pending
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: reports what it sees, then leaves without cleanup
+            os.close(read)
+            seen = f"{sessions.idle_count()},{int(sessions.settle_pending())}"
+            os.write(write, seen.encode())
+            os._exit(0)
+        os.close(write)
+        seen = os.read(read, 16).decode()
+        os.close(read)
+        os.waitpid(pid, 0)
+    assert seen == "0,0"  # no session of the parent's, nothing of its to read
+    with lock(pg_dsn, name) as again:  # the same session, its unlock read first
+        assert again.acquired and again._session is session
+    wait_until(lambda: free(admin, name), 5, "the lock to be free")
