@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass
 import psycopg
 
 from .config import PglockConfig
-from .connection import application_name, open_session
 from .exceptions import LockUnavailable
 from .guard import ROW_TRIGGER, guarded_tables
+from .session import application_name, open_session
 
 MIN_SERVER_VERSION = 140000
 #: Server keepalives slower than this (seconds) leave other sessions' locks

@@ -45,7 +45,7 @@ from psycopg.conninfo import conninfo_to_dict
 from .dsn import describe_target, redact
 from .exceptions import ConfigurationError, LockTimeout, LockUnavailable
 from .keys import lock_key
-from .protocol import HELD_SETTING
+from .sql import HELD_SETTING
 
 #: The SQLSTATE of a refused write. psycopg raises it as a ``ProgrammingError``
 #: (code class ``P``): not an IntegrityError that an ORM might swallow, nor a

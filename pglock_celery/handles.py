@@ -1,24 +1,24 @@
 """The psycopg connections over a lock session's socket: the library's own, and holders' handles.
 
-The library's connection waits cooperatively under gevent and eventlet. A
-holder's handle is a fresh psycopg connection over the same socket, so every
-client-side attribute starts at its default; revoked at release, every
-statement through it (or a cursor made from it) fails from then on.
+Both wait cooperatively under gevent and eventlet.
+
+A holder's handle is a fresh psycopg connection over its lock session's socket,
+so every client-side attribute starts at its default. At release (or when the
+holder closes it) the handle is revoked: its lock is replaced by one that refuses
+every statement, and its libpq connection by one that never connected, so every
+statement through it, or through a cursor made from it, fails from then on.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 from psycopg import pq, waiting
-
-if TYPE_CHECKING:
-    from .lock_session import LockSession
 
 
 def _green_select() -> str | None:
@@ -39,7 +39,7 @@ def _green_select() -> str | None:
 
 
 class SessionConnection(psycopg.Connection[Any]):
-    """A psycopg connection whose waits yield to eventlet's hub when it is in use."""
+    """A psycopg connection whose waits yield to gevent's or eventlet's hub when in use."""
 
     def wait(
         self,
@@ -54,19 +54,18 @@ class SessionConnection(psycopg.Connection[Any]):
             return waiting.wait_poll(gen, self.pgconn.socket, interval=interval)
         if green:
             return waiting.wait_select(gen, self.pgconn.socket, interval=interval)
-        if timeout is None:  # psycopg before 3.3 takes no timeout
-            return super().wait(gen, interval)
         return super().wait(gen, interval, timeout)
 
 
 class HandleConnection(SessionConnection):
     """A holder's handle: closing it (``with conn:``) revokes it, never the session."""
 
-    session: LockSession
+    #: Revokes this handle with a message (set by the session that made it).
+    on_close: Callable[[psycopg.Connection[Any], str], None]
 
     def close(self) -> None:
         if not self.closed:
-            self.session.revoke_one(self, "this handle of the lock connection was closed")
+            self.on_close(self, "this handle of the lock connection was closed")
 
 
 class Revoked:

@@ -9,15 +9,15 @@ from typing import Any
 
 import psycopg
 
-from .connection import (
+from .keys import key_to_lock_fields, lock_fields_to_key, lock_key
+from .session import (
     APPLICATION_NAME_MAX_BYTES,
     FIELD_SEPARATOR,
+    LockSession,
     decode_name,
     encode_name,
     expand_task_id,
 )
-from .keys import key_to_lock_fields, lock_fields_to_key, lock_key
-from .lock_session import LockSession
 
 logger = logging.getLogger("pglock_celery.lock")
 

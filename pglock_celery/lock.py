@@ -1,23 +1,18 @@
-"""The advisory lock: try or wait, held(), ensure_held(), release.
+"""The advisory lock a caller holds: acquire, held, release.
 
-Each granted acquire is a *hold* (monitor.py), the lock's session from grant
-to release, watched for loss. A hold has its session to itself (strategy
-``connect`` opens one, ``reuse`` checks one out of this process's idle
-sessions, see sessions.py; ``shared`` shares a few, see shared.py):
-session-level advisory locks are re-entrant within a session, so two holders on
-one session would both get in. Every lock statement proves that it ran on the
-session's own backend, so a session moved by a pooler fails closed instead of
-locking elsewhere (protocol.py).
+Each granted acquire is a *hold* (monitor.py), watched for loss from grant to
+release. Where its session comes from is the business of its source
+(sources/): the lock asks it for a session and the lock, and gives both back at
+release, whatever the strategy. A release returns only once the server freed
+the lock, so any other session can take it at once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import weakref
-from collections.abc import Iterator
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Any
@@ -26,15 +21,13 @@ import psycopg
 from celery import current_app
 from celery._state import get_current_task
 
-from . import protocol, sessions, shared
 from .config import PglockConfig, get_config
-from .connection import application_name, open_session
 from .exceptions import LockLost, PglockError
-from .inspect import Holder, holder_on
+from .inspect import Holder
 from .keys import cached_lock_key, check_key, check_lock_name, check_timeout
-from .lock_session import LockSession
 from .monitor import Hold, LossHandler
-from .scheduler import abandon, free_abandoned, scheduler
+from .session import application_name
+from .sources import registry
 
 logger = logging.getLogger("pglock_celery.lock")
 
@@ -54,7 +47,7 @@ def current_lock() -> AdvisoryLock | None:
 
 
 class AdvisoryLock:
-    """A session-level Postgres advisory lock on a dedicated connection.
+    """A session-level Postgres advisory lock on a lock session of its own.
 
     Use it through :func:`try_lock` or :func:`wait_lock`. One object belongs to
     one caller; it may be acquired again after a failed try or a release.
@@ -82,9 +75,6 @@ class AdvisoryLock:
         self._wait = wait
         self._timeout = check_timeout(timeout)
         self._on_lost = on_lost
-        self._reuse = config.strategy == sessions.REUSE
-        self._shared = config.strategy == sessions.SHARED
-        self._session: LockSession | None = None
         self._hold: Hold | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
@@ -97,7 +87,17 @@ class AdvisoryLock:
     def acquired(self) -> bool:
         """Whether this process holds the lock through this object now."""
         hold = self._hold
-        return hold is not None and hold.session.pid == os.getpid()
+        return (
+            hold is not None
+            and hold.granted
+            and hold.session is not None
+            and hold.session.pid == os.getpid()
+        )
+
+    @property
+    def backend_pid(self) -> int | None:
+        """The server's pid of the lock session's backend while held, else None."""
+        return self._hold.session.backend_pid if self.acquired else None  # type: ignore[union-attr]
 
     @property
     def connection(self) -> psycopg.Connection[Any]:
@@ -107,25 +107,8 @@ class AdvisoryLock:
         attribute at its default, and every statement through it (or a cursor
         made from it) fails once the lock is released.
         """
-        hold = self._hold
-        if hold is None:
-            raise LockLost(f"lock {self.label} is not held: it has no connection")
-        if hold.session.pid != os.getpid():
-            raise LockLost(
-                f"lock {self.label} is held by process {hold.session.pid}, not by this "
-                "forked child: its connection is not this process's to use"
-            )
-        if hold.session.shared:
-            raise PglockError(
-                f"lock {self.label} is on a shared session, which has no connection of "
-                "its own: write through `with lock.transaction() as conn:`"
-            )
-        with hold.session.guard:
-            if hold.ended:
-                raise LockLost(f"lock {self.label} was released: it has no connection")
-            if hold.handle is None or hold.handle.closed:
-                hold.handle = hold.session.handle()
-            return hold.handle
+        hold = self._held_here("it has no connection")
+        return hold.source.connection(hold)
 
     @property
     def lost_reason(self) -> str | None:
@@ -136,6 +119,19 @@ class AdvisoryLock:
         state = "held" if self.acquired else "not held"
         return f"<AdvisoryLock {self.label!r} key={self.key} {state}>"
 
+    def _held_here(self, what: str) -> Hold:
+        hold = self._hold
+        if hold is None or not hold.granted or hold.session is None:
+            raise LockLost(f"lock {self.label} is not held: {what}")
+        if hold.session.pid != os.getpid():
+            raise LockLost(
+                f"lock {self.label} is held by process {hold.session.pid}, not by this "
+                f"forked child: {what}"
+            )
+        if hold.ended:
+            raise LockLost(f"lock {self.label} was released: {what}")
+        return hold
+
     def acquire(self) -> bool:
         """Take the lock on a session of its own; return whether it is held.
 
@@ -143,20 +139,15 @@ class AdvisoryLock:
         LockTimeout when a waiting lock is not granted within its timeout.
         """
         if self._hold is not None:
-            raise RuntimeError(f"lock {self.label} is already held by this object")
-        free_abandoned()
-        if self._shared:
-            return self._acquire_shared()
-        kept, self._session = self._session, None  # kept from a failed try, for polling
-        session, got = protocol.acquire(
-            self.config, kept, self._lock_on, self.label, self.application_name, wait=self._wait
-        )
-        self._settle(session, self._make_hold(session) if got else None)
-        return got
-
-    def _make_hold(self, session: LockSession) -> Hold:
-        return Hold(
-            session,
+            if self._hold.granted:
+                raise RuntimeError(f"lock {self.label} is already held by this object")
+            self.release()  # a refused try's session goes back first
+        monitor = registry.monitor
+        if monitor.abandoned:
+            monitor.free_abandoned()
+        source = registry.source(self.config)
+        hold = Hold(
+            source,
             key=self.key,
             label=self.label,
             application_name=self.application_name,
@@ -164,45 +155,13 @@ class AdvisoryLock:
             config=self.config,
             on_lost=self._on_lost,
         )
-
-    def _settle(self, session: LockSession | None, hold: Hold | None) -> None:
-        """Keep what acquire got, watched, and freed if this object is dropped."""
-        self._session, self._hold = session, hold
-        if hold is not None:
-            scheduler.watch(hold)
-        if self._finalizer is not None:
-            self._finalizer.detach()  # an earlier failed try's
-            self._finalizer = None
-        if session is not None and (hold is not None or not session.shared):
-            self._finalizer = weakref.finalize(self, abandon, session, hold, self.label)
-
-    def _acquire_shared(self) -> bool:
-        session, hold = shared.acquire(
-            self.config,
-            self.key,
-            self.label,
-            wait=self._wait,
-            timeout=self._timeout,
-            open_one=self._open_shared,
-            make_hold=self._make_hold,
-        )
-        self._settle(session, hold)
-        return hold is not None
-
-    def _open_shared(self) -> LockSession:
-        session = open_session(self.config, shared.shared_name(self.config.application_name))
-        session.on_failure = functools.partial(shared.fail, session)
-        return session
-
-    def _lock_on(self, session: LockSession) -> bool:
-        return protocol.lock_on(
-            session,
-            self.key,
-            self.application_name,
-            self.label,
-            wait=self._wait,
-            timeout=self._timeout,
-        )
+        granted = source.acquire(hold, wait=self._wait, timeout=self._timeout)
+        self._hold = hold
+        if granted:
+            monitor.watch(hold)
+        # Dropped without release, the lock and its session are still freed.
+        self._finalizer = weakref.finalize(self, _abandon, hold)
+        return granted
 
     def holder(self) -> Holder | None:
         """Return who holds the lock now, asked on this lock's session.
@@ -211,10 +170,8 @@ class AdvisoryLock:
         never pg_locks: a skip costs the same with 10,000 locks on the server);
         None for a holder that does not name its session.
         """
-        session = self._session
-        if session is None or session.pid != os.getpid():
-            return None
-        return holder_on(session, self.key, self.label)
+        hold = self._hold
+        return hold.source.holder(hold) if hold is not None else None
 
     def held(self) -> bool:
         """Ask Postgres whether this session still holds the lock.
@@ -223,10 +180,13 @@ class AdvisoryLock:
         the body's transaction only the session's life can be checked without
         disturbing the transaction; the lock lives as long as the session.
         """
-        hold = self._hold
-        if hold is None or hold.lost is not None or hold.session.pid != os.getpid():
+        if not self.acquired:
             return False
-        reason = hold.check(wait=True)
+        hold = self._hold
+        assert hold is not None and hold.session is not None
+        if hold.lost is not None:
+            return False
+        reason = hold.source.check(hold, wait=True)
         if reason is not None:
             hold.mark_lost(reason)
             return False
@@ -234,9 +194,6 @@ class AdvisoryLock:
 
     def ensure_held(self) -> None:
         """Raise LockLost unless Postgres confirms the lock is still held."""
-        hold = self._hold
-        if hold is not None and hold.lost is not None:
-            raise LockLost(f"lock {self.label} was lost: {hold.lost}")
         if not self.held():
             hold = self._hold
             if hold is not None and hold.lost is not None:
@@ -245,68 +202,46 @@ class AdvisoryLock:
 
     def sleep(self, seconds: float) -> None:
         """Sleep, but raise LockLost as soon as the lock is found lost."""
-        hold = self._hold
-        if hold is None:
-            raise LockLost(f"lock {self.label} is not held")
+        hold = self._held_here("nothing to sleep under")
         if hold.wait(seconds) and hold.lost is not None:
             raise LockLost(f"lock {self.label} was lost: {hold.lost}")
 
     def release(self, reusable: bool = True, *, confirm: bool = False) -> None:
-        """Unlock and let the session go; idempotent.
+        """Unlock, wait until the server freed the lock, and let the session go; idempotent.
 
-        Every handle given to the holder is revoked first. An open transaction
-        is rolled back: it was made under the lock and must not outlive it.
-        Raises LockLost when the unlock shows the lock was already gone (false,
-        or a failed session). A session goes back to this process's cache
-        (strategy ``reuse``) only when ``reusable``, the unlock returned true
-        and nothing else is in doubt; otherwise it is closed, which would free
-        the lock anyway. Going back, its unlock is sent without waiting, and a
-        loss it shows is reported later (see protocol.py); the server frees the
-        lock as it reads it. With ``confirm`` the release returns only once the
-        lock is free: for work handed on that must be able to take it at once.
-        In a forked child nothing is sent: the session is the parent's.
+        When it returns, any other session can take the lock at once. Every
+        handle given to the holder is revoked first. An open transaction is
+        rolled back: it was made under the lock and must not outlive it. Raises
+        LockLost when the unlock shows the lock was already gone (false, or a
+        failed session). A session goes back to its source for reuse only when
+        ``reusable`` and nothing is in doubt. ``confirm`` is accepted for
+        compatibility: every release waits. In a forked child nothing is sent:
+        the session is the parent's.
         """
-        session, hold = self._session, self._hold
-        self._session = self._hold = None
+        hold, self._hold = self._hold, None
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
-        if session is None:
+        if hold is None or hold.session is None:
             return
+        session = hold.session
         if session.pid != os.getpid():
-            if hold is not None:  # a forked child: the parent's session, its guard too
-                hold.end()
+            hold.end()  # a forked child: the parent's session, its guard too
             return
-        if hold is not None:
-            with session.guard:  # no handle is given out after this
-                hold.end()
-            scheduler.unwatch(hold)
-        if session.shared:
-            if hold is not None:
-                shared.release(session, hold, self.label)
-            return  # the session stays, for the process's other locks
-        protocol.release(
-            session, hold, self.config, reusable=self._reuse and reusable, confirm=confirm
-        )
+        with session.guard:  # no handle is given out after this
+            hold.end()
+        hold.source.monitor.unwatch(hold)
+        hold.source.release(hold, clean=reusable)
 
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[psycopg.Connection[Any]]:
+    def transaction(self) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
         """Yield the lock's connection inside a transaction that commits only while held.
 
         The lock can only go with its session, and then the commit fails too.
         Under strategy ``shared`` the transaction has the session to itself
         (other holders on it wait), and what it left on the session is reset.
         """
-        hold = self._hold
-        if hold is None or hold.session.pid != os.getpid():
-            raise LockLost(f"lock {self.label} is not held: no transaction without it")
-        if hold.session.shared:
-            with shared.transaction(hold, self.label) as conn:
-                yield conn
-            return
-        conn = self.connection
-        with conn.transaction():
-            yield conn
+        hold = self._held_here("no transaction without it")
+        return hold.source.transaction(hold)
 
     def __enter__(self) -> AdvisoryLock:
         self.acquire()
@@ -328,7 +263,7 @@ class AdvisoryLock:
         """
         try:
             # A session whose holder failed is not trusted again.
-            self.release(reusable=error is None, confirm=confirm)
+            self.release(reusable=error is None)
         except LockLost as lost:
             if error is None:
                 raise
@@ -338,6 +273,21 @@ class AdvisoryLock:
                 type(error).__name__,
                 extra={"lock": self.label, "key": self.key},
             )
+
+
+def _abandon(hold: Hold) -> None:
+    """A lock object dropped without release: have the monitor thread free its session."""
+    hold.source.monitor.abandon(lambda: _free(hold))
+
+
+def _free(hold: Hold) -> None:
+    session = hold.session
+    if session is None or session.pid != os.getpid():
+        return
+    hold.end()
+    hold.source.monitor.unwatch(hold)
+    with contextlib.suppress(PglockError):
+        hold.source.release(hold, clean=False)
 
 
 def _config_for(dsn: str | None) -> PglockConfig:

@@ -1,44 +1,47 @@
-"""Loss detection: each hold of a lock, and the threads that watch it.
+"""Where a loss is detected, and what happens then.
 
-A hold is a lock's session from grant to release, with its own loss state, so
-nothing of an earlier hold (a released one, one on a session that died while
-cached) can leave a later one unwatched. While a hold lasts past one check
-interval, a monitor thread (started by scheduler.py) checks its session
-whenever no statement runs on it, atomically with respect to the holder (both
-go through the session's guard).
-Between transactions it asks the server (alive, still holding the lock, a
-primary); inside the body's transaction it peeks at the socket only, which
-tells when the server ended the session, without disturbing the transaction.
-A loss is logged, marks the hold lost and is handed to the holder's loss handler.
+A :class:`Hold` is one holding of a lock, from its grant to its release, with its
+own loss state, so nothing of an earlier hold (a released one, one on a session
+that died while idle) can leave a later one unwatched.
+
+The :class:`Monitor` of a process (one, in the registry of sources/) checks every
+hold that has lasted a check interval, and again every interval, through its
+source (``source.check``): between transactions it asks the server (alive, still
+holding the lock, a primary); inside the body's transaction it peeks at the
+socket only. A check never waits for a statement of the holder's: a busy session
+is checked at the next pass. Threads are bounded whatever the number of holds:
+one scheduler thread, and at most ``MAX_CHECKERS`` checker threads, so that one
+session hung in a statement does not stop the others being checked. A thread
+that cannot be started is tried again at the next pass, the check meanwhile run
+by the scheduler itself.
+
+A loss is logged, marks the hold lost, lets the source deal with the session
+(end a session that lives on without the lock; a failed shared session takes
+every lock on it) and is handed to the holder's loss handler.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
+import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg.pq import TransactionStatus
 
 from .config import PglockConfig
-from .lock_session import LockSession
+
+if TYPE_CHECKING:
+    from .session import LockSession
+    from .sources import Source
 
 logger = logging.getLogger("pglock_celery.lock")
 
-# One round trip, O(1) whatever the number of locks on the server: is the server a
-# primary, and does this session still hold the key? A held lock's count is 2 (see
-# lock.py): unlocking it once and taking it again never lets it go; a lock the
-# session no longer holds is not unlocked (false, with a warning) and not taken.
-_CHECK = (
-    b"pglock_check",
-    b"SELECT pg_is_in_recovery(),"
-    b" CASE WHEN pg_advisory_unlock($1::int8) THEN pg_try_advisory_lock($1::int8) END",
-)
+#: Called (from a monitor thread) when a held lock is found lost.
+LossHandler = Callable[["Hold", str], None]
 
 
 def one_line(exc: BaseException) -> str:
@@ -48,13 +51,13 @@ def one_line(exc: BaseException) -> str:
 class Hold:
     """One holding of a lock, from its grant to its release: what the monitor watches.
 
-    It never refers to its AdvisoryLock, so a lock dropped without release
-    can be collected, and its finalizer frees the session.
+    It never refers to its AdvisoryLock, so a lock dropped without release can be
+    collected, and its finalizer frees the session.
     """
 
     def __init__(
         self,
-        session: LockSession,
+        source: Source,
         *,
         key: int,
         label: str,
@@ -63,24 +66,30 @@ class Hold:
         config: PglockConfig,
         on_lost: LossHandler | None,
     ) -> None:
-        self.session = session
+        self.source = source
         self.key = key
         self.label = label
         self.application_name = application_name
         self.task_id = task_id
         self.config = config
         self.on_lost = on_lost
+        #: The session the lock was tried on (kept after a refused try, for the
+        #: holder lookup); None until the source found one.
+        self.session: LockSession | None = None
+        self.granted = False
         self.since = time.monotonic()
         #: Why the lock was found lost, or None.
         self.lost: str | None = None
+        self.ended = False
+        #: The holder's connection (dedicated) or its transaction's (shared).
+        self.handle: psycopg.Connection[Any] | None = None
         # Set at release or loss; made only when someone waits (most holds end unwatched).
         self._changed: threading.Event | None = None
-        self.ended = False
-        #: Whether the loss was found only after the release returned (see protocol.py).
-        self.lost_after_release = False
-        self.handle: psycopg.Connection[Any] | None = None
+        self._next_check = 0.0
+        self._checking = False
 
     def end(self) -> None:
+        """The hold is over (released, or given up in a forked child)."""
         self.ended = True
         self._signal()
 
@@ -91,78 +100,26 @@ class Hold:
 
     def wait(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for the release or a loss; whether one came."""
+        if self._changed is None:
+            self._changed = threading.Event()  # a race makes two: both are checked below
         changed = self._changed
-        if changed is None:
-            with _events_lock:
-                if self._changed is None:
-                    self._changed = threading.Event()
-                changed = self._changed
         if self.ended or self.lost is not None:
-            return True  # came before the event was there to be set
+            return True
         return changed.wait(seconds)
 
-    def check(self, *, wait: bool) -> str | None:
-        """Return why the lock is lost, or None while it is held (or cannot be asked).
-
-        Runs under the session's guard, so no statement of the holder can start
-        in between; with ``wait`` False it gives up at once when one is running
-        (the holder will see any failure of the session itself).
-        """
-        session = self.session
-        if not session.guard.acquire(blocking=wait):
-            return None
-        try:
-            if self.ended or self.lost is not None:
-                return self.lost
-            if session.pgconn.pipeline_status:
-                return None  # results of the holder's pipeline are on their way
-            status = session.pgconn.transaction_status
-            if status == TransactionStatus.IDLE:
-                try:
-                    result = session.query(*_CHECK, (str(self.key).encode(),))
-                except psycopg.Error as exc:
-                    return f"the lock session failed: {one_line(exc)}"
-                if result.get_value(0, 0) == b"t":
-                    return "the server is in recovery (a failover?)"
-                if result.get_value(0, 1) != b"t":
-                    return "the session no longer holds the lock"
-                return None
-            if status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
-                if not session.alive():
-                    return "the lock session failed: the server closed it"
-                return None
-            if session.closed:
-                return "the lock session failed: it is closed"
-            return None  # a statement of the holder's is under way
-        finally:
-            session.guard.release()
-
     def mark_lost(self, reason: str) -> None:
-        """Record a loss once: log it, end a session that lives on without the lock, tell."""
+        """Record a loss once: log it, let the source deal with the session, tell."""
         session = self.session
+        if session is None:
+            return
         with session.guard:
             if self.lost is not None or self.ended:
                 return
             self.lost = reason
             self._signal()
-            with _losses_lock:
-                losses["while_held"] += 1
-            failed = "session failed" in reason
-            if not session.closed and not failed and not session.shared:
-                # Alive but without the lock (or on a standby): end the session,
-                # so that no further write of this holder can commit.
-                with contextlib.suppress(psycopg.Error):
-                    session.conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
-        self._log_loss("lock %s lost by %s (task %s): %s", reason)
-        if self.on_lost is not None:
-            self.on_lost(self, reason)
-        if failed and session.on_failure is not None:
-            session.on_failure(reason)
-
-    def _log_loss(self, message: str, reason: str) -> None:
-        """Log a loss at error level: ``message`` takes the label, holder, task id, reason."""
+        self.source.monitor.count_loss("while_held")
         logger.error(
-            message,
+            "lock %s lost by %s (task %s): %s",
             self.label,
             self.application_name,
             self.task_id,
@@ -175,50 +132,169 @@ class Hold:
                 "reason": reason,
             },
         )
-
-    def count_lost_at_release(self) -> None:
-        with _losses_lock:
-            losses["at_release"] += 1
-
-    def lost_at_release(self, reason: str) -> None:
-        """Report a loss found after the release returned (its unlock was not waited for)."""
-        self.lost = self.lost or reason
-        self.lost_after_release = True
-        self.count_lost_at_release()
-        self._log_loss("lock %s was lost before its release by %s (task %s): %s", reason)
+        self.source.lost(self, reason)
         if self.on_lost is not None:
-            try:
-                self.on_lost(self, reason)
-            except Exception:
-                logger.exception("lock %s: reporting its loss failed", self.label)
+            self.on_lost(self, reason)
 
-    def monitor(self) -> None:
-        """Check the session every check interval until release or loss."""
-        while not self.ended and self.lost is None:
+
+class Monitor:
+    """Checks every hold of this process each check interval, with bounded threads."""
+
+    #: Checker threads at most, whatever the number of holds.
+    MAX_CHECKERS = 4
+    #: The slowest pass, in seconds, whatever the check intervals.
+    MAX_TICK = 0.5
+    #: Seconds a checker thread with nothing to do waits before it ends.
+    CHECKER_IDLE = 5.0
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.RLock())
+        self._holds: dict[int, Hold] = {}
+        self._due: queue.SimpleQueue[Hold] = queue.SimpleQueue()
+        self._running = False
+        self._checkers = 0
+        self._idle_checkers = 0
+        #: Locks dropped without release: freed by the scheduler thread (a finalizer
+        #: may run inside any code that holds a lock, so it only hands its work on).
+        self.abandoned: deque[Callable[[], None]] = deque()
+        #: Locks this process found lost while held (the monitor, held()) and at release.
+        self.losses = {"while_held": 0, "at_release": 0}
+        self._losses_lock = threading.Lock()
+
+    def count_loss(self, when: str) -> None:
+        with self._losses_lock:
+            self.losses[when] += 1
+
+    def watch(self, hold: Hold) -> None:
+        """Check ``hold`` once it has lasted a check interval, and every interval after."""
+        hold._next_check = hold.since + hold.config.check_interval
+        with self._cond:
+            self._holds[id(hold)] = hold
+            if not self._running:
+                self._start_scheduler()
+
+    def unwatch(self, hold: Hold) -> None:
+        with self._cond:
+            self._holds.pop(id(hold), None)
+
+    def abandon(self, free: Callable[[], None]) -> None:
+        """Have ``free`` run by the scheduler thread (see ``abandoned``)."""
+        self.abandoned.append(free)
+        with self._cond:
+            if not self._running:
+                self._start_scheduler()
+            else:
+                self._cond.notify()
+
+    def free_abandoned(self) -> None:
+        """Free what dropped locks left behind (their sessions, their locks)."""
+        while self.abandoned:
             try:
-                reason = self.check(wait=False)
-                if reason is not None:
-                    self.mark_lost(reason)
-                    return
-            except Exception:
-                logger.exception("lock %s: the loss check failed", self.label)
-            if self.wait(self.config.check_interval):
+                free = self.abandoned.popleft()
+            except IndexError:
                 return
+            try:
+                free()
+            except Exception:
+                logger.exception("freeing a lock dropped without release failed")
 
+    def _start_scheduler(self) -> None:
+        try:
+            threading.Thread(target=self._schedule, name="pglock-monitor", daemon=True).start()
+        except RuntimeError as exc:  # can't start new thread: the next watch tries again
+            logger.error("the lock monitor thread could not be started: %s", exc)
+            return
+        self._running = True
 
-#: Locks this process found lost: while held (the monitor, held()), and at release.
-losses = {"while_held": 0, "at_release": 0}
-_losses_lock = threading.Lock()
-_events_lock = threading.Lock()
+    def _schedule(self) -> None:
+        cond = self._cond
+        while True:
+            with cond:
+                if cond is not self._cond:
+                    return  # a forked child's copy of a thread that is not there
+                if not self._holds and not self.abandoned:
+                    self._running = False
+                    return
+                now = time.monotonic()
+                due = [
+                    hold
+                    for hold in self._holds.values()
+                    if hold._next_check <= now and not hold._checking
+                ]
+                tick = min(
+                    [self.MAX_TICK]
+                    + [hold.config.check_interval / 4 for hold in self._holds.values()]
+                )
+                for hold in due:
+                    hold._checking = True
+                    self._due.put(hold)
+                backlog = self._due.qsize() - self._idle_checkers
+                started = self._start_checkers(backlog)
+            self.free_abandoned()
+            if due and not started and self._checkers == 0:
+                self._drain()  # no checker thread could start: check here meanwhile
+            with cond:
+                if self._holds or self.abandoned:
+                    cond.wait(tick)
 
+    def _start_checkers(self, backlog: int) -> bool:
+        """Start checker threads for ``backlog`` waiting holds, within the bound."""
+        started = False
+        while backlog > 0 and self._checkers < self.MAX_CHECKERS:
+            try:
+                threading.Thread(target=self._checker, name="pglock-check", daemon=True).start()
+            except RuntimeError as exc:
+                logger.error("a lock check thread could not be started: %s", exc)
+                break
+            self._checkers += 1
+            backlog -= 1
+            started = True
+        return started
 
-def _new_locks() -> None:
-    # In a forked child a thread that held one of them is gone.
-    global _losses_lock, _events_lock
-    _losses_lock, _events_lock = threading.Lock(), threading.Lock()
+    def _drain(self) -> None:
+        while True:
+            try:
+                hold = self._due.get_nowait()
+            except queue.Empty:
+                return
+            self._check(hold)
 
+    def _checker(self) -> None:
+        cond = self._cond
+        while True:
+            with cond:
+                self._idle_checkers += 1
+            try:
+                hold = self._due.get(timeout=self.CHECKER_IDLE)
+            except queue.Empty:
+                with cond:
+                    self._idle_checkers -= 1
+                    if self._due.empty() or cond is not self._cond:
+                        self._checkers -= 1
+                        return
+                continue
+            with cond:
+                self._idle_checkers -= 1
+            self._check(hold)
 
-os.register_at_fork(after_in_child=_new_locks)
+    def _check(self, hold: Hold) -> None:
+        try:
+            if not hold.ended and hold.lost is None:
+                reason = hold.source.check(hold, wait=False)
+                if reason is not None:
+                    hold.mark_lost(reason)
+        except Exception:
+            logger.exception("lock %s: the loss check failed", hold.label)
+        finally:
+            hold._next_check = time.monotonic() + hold.config.check_interval
+            hold._checking = False
 
-#: Called from the monitor thread when a held lock is found lost.
-LossHandler = Callable[[Hold, str], None]
+    def after_fork_in_child(self) -> None:
+        """The parent's threads are gone, and whoever held a lock of ours at the fork."""
+        self._cond = threading.Condition(threading.RLock())
+        self._holds = {}
+        self._due = queue.SimpleQueue()
+        self._running = False
+        self._checkers = self._idle_checkers = 0
+        self.abandoned.clear()
+        self._losses_lock = threading.Lock()

@@ -21,7 +21,6 @@ from typing import Any, ClassVar
 import psycopg
 from celery import Task, signals
 
-from . import sessions
 from .config import PglockConfig, get_config
 from .exceptions import (
     ConfigurationError,
@@ -60,12 +59,6 @@ def _events_flag_to_conf(conf: Any = None, options: Any = None, **_: Any) -> Non
     """
     if conf is not None and options and options.get("task_events"):
         conf.worker_send_task_events = True
-
-
-@signals.worker_process_shutdown.connect
-def _settle_unlocks(**_: Any) -> None:
-    """A pool process that ends reads its last unwaited unlocks first (it may skip atexit)."""
-    sessions.settle_pending()
 
 
 #: Options of other lock libraries (celery-once, celery-singleton) that mean nothing
@@ -174,10 +167,9 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             error = exc
             raise
         finally:
-            # What follows this call (its chain, callbacks, a chord) may need the
+            # What follows this call (its chain, callbacks, a chord) may take the
             # lock at once: the release returns only once the server freed it.
-            request = self.request
-            lock.finish(error, confirm=bool(request.chain or request.callbacks or request.chord))
+            lock.finish(error)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Release this call's lock, then retry as Celery does.
@@ -189,7 +181,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         lock = _this_call.get()
         if lock is not None and lock.acquired:
             try:
-                lock.release(confirm=True)
+                lock.release()
             except LockLost as lost:
                 logger.warning(
                     "%s (before retrying task %s)",
@@ -385,7 +377,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         hostname: str | None,
         reaction: str,
     ) -> None:
-        """React to a loss found by the lock's monitor thread, or after its release."""
+        """React to a loss found while the call holds the lock (from the monitor's thread)."""
         self._send_event(
             LOCK_LOST_EVENT,
             task_id,
@@ -394,7 +386,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             reason=reason,
             holder=lock.application_name,
         )
-        if reaction == "terminate" and not lock.lost_after_release:  # the step is over then
+        if reaction == "terminate":
             logger.error(
                 "lock %s lost: ending worker process %d so that task %s[%s] stops",
                 lock.label,

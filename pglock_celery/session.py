@@ -1,0 +1,464 @@
+"""One lock session: how it is opened (keepalives, bounds, identity) and how it is used.
+
+A lock session is a dedicated libpq connection in autocommit mode, opened in the
+process that uses it and never taken from an application pool. It connects with
+``target_session_attrs=read-write`` (no lock on a standby) and sets, for its own
+session only, the server-side TCP keepalives, ``tcp_user_timeout`` and
+``client_connection_check_interval`` that bound how long a cut-off holder keeps
+its locks; it turns off the idle timeouts that would end a session holding a lock
+between statements, and the statement bounds of a role that would cancel a wait.
+
+A :class:`LockSession` talks to its server through a private psycopg connection
+that no holder ever sees, with the statements of sql.py prepared under their own
+names (:meth:`LockSession.query`); a holder gets a handle of its own
+(:meth:`LockSession.handle`, see handles.py), so every client-side attribute
+starts at its default, and every handle is revoked at release. One re-entrant
+lock per session (its guard) serialises the handles, the library's statements
+and the loss checks.
+
+Where sessions come from (a new one per lock, an idle one, a shared one) is the
+business of sources/; this module knows nothing of it.
+"""
+
+from __future__ import annotations
+
+import _socket
+import base64
+import contextlib
+import functools
+import math
+import os
+import secrets
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import psycopg
+from psycopg import errors, generators, pq
+from psycopg.conninfo import conninfo_to_dict
+
+from . import sql
+from .config import PglockConfig
+from .dsn import describe_target, redact
+from .exceptions import ConfigurationError, LockUnavailable
+from .handles import HandleConnection, Revoked, SessionConnection, dead_pgconn
+
+#: Postgres truncates application_name to NAMEDATALEN - 1 bytes.
+APPLICATION_NAME_MAX_BYTES = 63
+#: Separates the fields of a lock session's application_name.
+FIELD_SEPARATOR = "|"
+#: Starts a lock name written in base64url (see encode_name).
+ENCODED_NAME_MARK = "="
+#: Ends a host name cut to fit application_name.
+CUT_HOST_MARK = "~"
+
+
+@functools.lru_cache(maxsize=1)
+def _hostname() -> str:
+    return socket.gethostname()
+
+
+def compact_task_id(task_id: str | None) -> str:
+    """Return a UUID task id in 23 characters (``~`` + base64url), others as they are."""
+    if not task_id:
+        return "-"
+    try:
+        raw = uuid.UUID(task_id).bytes
+    except ValueError:
+        return task_id
+    return "~" + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def expand_task_id(field: str) -> str | None:
+    """Undo :func:`compact_task_id`."""
+    if field in ("", "-"):
+        return None
+    if field.startswith("~") and len(field) == 23:
+        try:
+            return str(uuid.UUID(bytes=base64.urlsafe_b64decode(field[1:] + "==")))
+        except ValueError:
+            return field
+    return field
+
+
+def encode_name(name: str) -> str:
+    """Return a lock name as Postgres keeps it in application_name: printable ASCII.
+
+    Postgres replaces anything else with ``?`` (16 and later with escapes), so
+    such a name, or one starting with ``=``, is written as ``=`` + base64url.
+    """
+    if name.isascii() and name.isprintable() and not name.startswith(ENCODED_NAME_MARK):
+        return name
+    encoded = base64.urlsafe_b64encode(name.encode()).decode().rstrip("=")
+    return ENCODED_NAME_MARK + encoded
+
+
+def decode_name(field: str) -> tuple[str, bool]:
+    """Undo :func:`encode_name`; return ``(name, complete)``.
+
+    A field cut short decodes to the longest prefix that survived, with
+    ``complete`` False when the encoded form cannot be whole.
+    """
+    if not field.startswith(ENCODED_NAME_MARK):
+        return field, True
+    body = field[1:]
+    usable = len(body) - len(body) % 4 if len(body) % 4 == 1 else len(body)
+    try:
+        raw = base64.urlsafe_b64decode(body[:usable] + "=" * (-usable % 4))
+    except ValueError:
+        return "", False
+    text = raw.decode(errors="ignore")
+    return text, usable == len(body) and text.encode() == raw
+
+
+def application_name(prefix: str, lock: str, task_id: str | None, host: str | None = None) -> str:
+    """Return the application_name that identifies a lock session's holder.
+
+    ``prefix|pid|task id|host|name``: who holds it comes first, so the 63-byte
+    cut only ever shortens the name (a skipping caller knows the name anyway:
+    it asked for the same key). The task id is compacted when it is a UUID; a
+    host too long for the rest is cut and ends with ``~``; the name is encoded
+    by :func:`encode_name`.
+    """
+    return _application_name(prefix, lock, task_id, host, os.getpid())
+
+
+@functools.lru_cache(maxsize=1024)
+def _application_name(
+    prefix: str, lock: str, task_id: str | None, host: str | None, pid: int
+) -> str:
+    host = host if host is not None else _hostname()
+    head = FIELD_SEPARATOR.join((prefix, str(pid), compact_task_id(task_id)))
+    room = APPLICATION_NAME_MAX_BYTES - len(head) - 2  # two separators around the host
+    if len(host.encode()) > room:
+        host = host.encode()[: max(room - 1, 0)].decode(errors="ignore") + CUT_HOST_MARK
+    encoded = FIELD_SEPARATOR.join((head, host, encode_name(lock))).encode()
+    return encoded[:APPLICATION_NAME_MAX_BYTES].decode(errors="ignore")
+
+
+def idle_name(prefix: str) -> str:
+    """The application_name of a cached lock session that holds nothing."""
+    return f"{prefix}-idle{FIELD_SEPARATOR}{os.getpid()}"
+
+
+def _server_settings(config: PglockConfig) -> dict[str, int]:
+    """The server settings a lock session needs in force, for its own session only.
+
+    A role's statement_timeout or lock_timeout would cancel a wait that only the
+    caller's timeout may end, and its idle timeouts would end a session holding a
+    lock between statements.
+    """
+    return {
+        "tcp_keepalives_idle": config.server_keepalives_idle,
+        "tcp_keepalives_interval": config.server_keepalives_interval,
+        "tcp_keepalives_count": config.server_keepalives_count,
+        "tcp_user_timeout": int(config.server_tcp_user_timeout * 1000),
+        "client_connection_check_interval": int(config.server_connection_check_interval * 1000),
+        "idle_session_timeout": 0,
+        "idle_in_transaction_session_timeout": 0,
+        "statement_timeout": 0,
+        "lock_timeout": 0,
+    }
+
+
+def _session_options(config: PglockConfig, inherited: str | None, token: str) -> str:
+    settings: dict[str, object] = {**_server_settings(config), sql.SESSION_TOKEN_SETTING: token}
+    ours = " ".join(f"-c {name}={value}" for name, value in settings.items())
+    return f"{inherited} {ours}" if inherited else ours
+
+
+def connect_kwargs(config: PglockConfig, app_name: str, token: str = "-") -> dict[str, object]:
+    """Return the libpq parameters added to the DSN for a lock session."""
+    dsn = config.require_dsn()
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        raise ConfigurationError(
+            f"pglock_dsn is not a valid connection string: {redact(str(exc), dsn)}"
+        ) from None
+    return {
+        "autocommit": True,
+        "application_name": app_name,
+        # libpq counts whole seconds and treats anything below 2 as 2.
+        "connect_timeout": max(2, math.ceil(config.connect_timeout)),
+        "target_session_attrs": "read-write",
+        "keepalives": 1,
+        "keepalives_idle": config.keepalives_idle,
+        "keepalives_interval": config.keepalives_interval,
+        "keepalives_count": config.keepalives_count,
+        "tcp_user_timeout": int(config.tcp_user_timeout * 1000),
+        "options": _session_options(config, str(params.get("options") or ""), token),
+    }
+
+
+def open_session(config: PglockConfig, app_name: str) -> LockSession:
+    """Open a dedicated lock session and prove it, or raise LockUnavailable saying why.
+
+    Call it inside the registry's ``opening()`` (sources/): a fork meanwhile waits.
+    """
+    token = secrets.token_hex(8)
+    kwargs = connect_kwargs(config, app_name, token)
+    dsn = config.require_dsn()
+    where = describe_target(dsn)
+    try:
+        conn = SessionConnection.connect(dsn, **kwargs)  # type: ignore[arg-type]
+    except psycopg.Error as exc:
+        reason = " ".join(str(exc).split())
+        raise LockUnavailable(
+            f"cannot open a lock session to {where}: {redact(reason, dsn)}"
+        ) from exc
+    try:
+        backend_pid, pooled = _verify_session(conn, config, token)
+    except psycopg.Error as exc:
+        conn.close()
+        reason = " ".join(str(exc).split())
+        raise LockUnavailable(
+            f"the lock session to {where} failed its checks: {redact(reason, dsn)}"
+        ) from exc
+    except BaseException:
+        conn.close()
+        raise
+    return LockSession(conn, dsn, backend_pid=backend_pid, token=token, pooled=pooled)
+
+
+def _verify_session(
+    conn: psycopg.Connection[Any], config: PglockConfig, token: str
+) -> tuple[int, bool]:
+    """Prove that ``conn`` is a backend of its own with our settings.
+
+    Returns the server's backend pid and whether the session goes through a pooler.
+
+    A session lock belongs to one server backend. Connected directly, the
+    backend's pid is the one libpq got at startup, and the startup options
+    (our settings and a per-session token) are in force. Anything in between
+    shows as a different pid or missing options: a transaction-mode pooler
+    would hand each statement to any backend, so that is refused unless
+    ``pglock_pooler = "session"`` says the pooler keeps one backend per client;
+    then the settings are applied with set_config and the session is never reused.
+    """
+    row = conn.execute(sql.VERIFY_SESSION, (sql.SESSION_TOKEN_SETTING,)).fetchone()
+    assert row is not None
+    backend_pid, seen = row
+    if backend_pid == conn.info.backend_pid and seen == token:
+        return backend_pid, False
+    if config.pooler != "session":
+        conn.close()
+        found = (
+            "its startup options were dropped"
+            if seen != token
+            else f"its backend pid {backend_pid} is not the pid {conn.info.backend_pid} "
+            "the connection reported"
+        )
+        raise LockUnavailable(
+            f"the lock session to {describe_target(config.require_dsn())} is not a backend "
+            f"of its own ({found}): a pooler sits in between, and a transaction-mode pooler "
+            "would lose session locks. Connect to Postgres directly, or set "
+            'pglock_pooler = "session" if it is a session-mode pooler'
+        )
+    apply_settings(conn, config, token)
+    return backend_pid, True
+
+
+def apply_settings(conn: psycopg.Connection[Any], config: PglockConfig, token: str) -> None:
+    """Set a lock session's settings and token with set_config (behind a session pooler)."""
+    settings = {**_server_settings(config), sql.SESSION_TOKEN_SETTING: token}
+    calls = ", ".join("pg_catalog.set_config(%s, %s, false)" for _ in settings)
+    params: list[object] = []
+    for name, value in settings.items():
+        params += [name, str(value)]
+    conn.execute(f"SELECT {calls}".encode(), params)
+
+
+#: How much of what the server sent unasked is looked at (a notice or two, an error).
+_PEEK_BYTES = 8192
+#: Protocol messages that, unasked between statements, are the server ending the
+#: session: an ErrorResponse (FATAL: terminated, shut down) or a NoticeResponse
+#: (WARNING: a crash of another backend resets them all).
+_GOODBYES = (b"E", b"N")
+#: SQLSTATE of a prepared statement that is not there (a holder deallocated it).
+_NO_SUCH_STATEMENT = b"26000"
+
+
+class LockSession:
+    """One dedicated lock session: its socket, the library's connection, its handles."""
+
+    def __init__(
+        self,
+        conn: psycopg.Connection[Any],
+        dsn: str,
+        *,
+        backend_pid: int,
+        token: str,
+        pooled: bool,
+    ) -> None:
+        self.conn = conn
+        # Never prepared by psycopg: holders' handles name their prepared statements
+        # the same way, and DISCARD ALL drops them all.
+        conn.prepare_threshold = None
+        self.pgconn = conn.pgconn
+        #: Serialises every statement on the session, whoever sends it.
+        self.guard = threading.RLock()
+        conn.lock = self.guard  # type: ignore[assignment]
+        self.dsn = dsn
+        #: The process that opened the session: no other may use or close it.
+        self.pid = os.getpid()
+        #: The server's pid of the backend (behind a pooler, not libpq's).
+        self.backend_pid = backend_pid
+        #: Behind a session-mode pooler: never reused (see _verify_session).
+        self.pooled = pooled
+        #: This session's own value of pglock.session: proof a statement ran on it.
+        self.token = token
+        self._handles: list[psycopg.Connection[Any]] = []
+        # The library's statements: run once, then prepared under their own names.
+        self._used: set[bytes] = set()
+        self._prepared: set[bytes] = set()
+        #: Whether a holder got a handle since the session was last reset.
+        self.handed_out = False
+
+    def __repr__(self) -> str:
+        return f"<LockSession backend {self.backend_pid} of process {self.pid}>"
+
+    @property
+    def closed(self) -> bool:
+        return self.pgconn.status == pq.ConnStatus.BAD
+
+    def handle(self) -> psycopg.Connection[Any]:
+        """Return a connection for the holder: pristine client state, dies at revoke."""
+        handle = HandleConnection(self.pgconn)
+        handle.on_close = self.revoke_one
+        handle.lock = self.guard  # type: ignore[assignment]
+        handle.autocommit = True
+        self._handles.append(handle)
+        self.handed_out = True
+        return handle
+
+    def revoke(self, message: str) -> None:
+        """Make every handle given out so far fail on its next statement."""
+        for handle in list(self._handles):
+            self.revoke_one(handle, message)
+        # Notices of later holders must not reach a revoked handle's handlers.
+        self.pgconn.notice_handler = None
+        self.pgconn.notify_handler = None
+
+    def revoke_one(self, handle: psycopg.Connection[Any], message: str) -> None:
+        handle.lock = Revoked(message)  # type: ignore[assignment]
+        handle.pgconn = dead_pgconn()
+        with contextlib.suppress(ValueError):
+            self._handles.remove(handle)
+
+    def alive(self) -> bool:
+        """Whether the server still has the session, read from the socket without a statement.
+
+        Safe in any state between statements (idle, inside the body's
+        transaction): it only peeks, so libpq and the body's transaction see
+        exactly what they would have seen. A server that ends a session says so
+        (an error, or a warning when a crash resets every backend) and closes
+        the socket; a cut-off peer fails the client keepalives, which errors it.
+        """
+        if self.closed:
+            return False
+        try:
+            # The C socket: gevent's and eventlet's would wait for data instead.
+            sock = _socket.socket(fileno=self.pgconn.socket)
+        except (psycopg.Error, OSError):
+            return False
+        try:
+            pending = sock.recv(_PEEK_BYTES, _socket.MSG_PEEK | _socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True  # nothing arrived: the usual case
+        except OSError:
+            return False  # reset, or keepalives found the peer gone
+        finally:
+            sock.detach()
+        if not pending:
+            return False  # the server closed the connection
+        if self.pgconn.ssl_in_use:
+            # Unasked data between statements is the server's goodbye in practice
+            # (notifications wait for the end of a transaction); encrypted, it
+            # cannot be read without consuming it.
+            return self.pgconn.transaction_status == pq.TransactionStatus.IDLE
+        return not any(kind in _GOODBYES for kind in _message_types(pending))
+
+    def query(
+        self, name: bytes, text: bytes, params: Sequence[bytes | None] = ()
+    ) -> pq.abc.PGresult:
+        """Run one of the library's statements; return its result or raise psycopg.Error.
+
+        Straight at the libpq level, waiting as psycopg does (cooperatively
+        under gevent and eventlet). A statement is prepared as ``name`` the
+        second time the session runs it. A holder may have dropped it
+        (DEALLOCATE): then it runs unprepared and is prepared again later.
+        """
+        pgconn = self.pgconn
+        with self.guard:
+            if name in self._prepared:
+                result = self._run(lambda: pgconn.send_query_prepared(name, params))
+                if result.error_field(pq.DiagnosticField.SQLSTATE) != _NO_SUCH_STATEMENT:
+                    return self._checked(result)
+                self._prepared.discard(name)
+            elif name in self._used:
+                prepared = self._run(lambda: pgconn.send_prepare(name, text))
+                if prepared.status == pq.ExecStatus.COMMAND_OK:
+                    self._prepared.add(name)
+                    return self._checked(
+                        self._run(lambda: pgconn.send_query_prepared(name, params))
+                    )
+            self._used.add(name)
+            return self._checked(self._run(lambda: pgconn.send_query_params(text, params)))
+
+    def execute(self, text: bytes) -> None:
+        """Run statements of the library that take no parameters (one or several)."""
+        with self.guard:
+            self.conn.execute(text)
+
+    def forget_prepared(self) -> None:
+        """After DISCARD ALL: the server dropped every prepared statement."""
+        self._prepared.clear()
+        self._used.clear()
+
+    def _run(self, send: Callable[[], None]) -> pq.abc.PGresult:
+        send()
+        try:
+            results: list[pq.abc.PGresult] = self.conn.wait(generators.execute(self.pgconn))
+        except psycopg.Error:
+            raise
+        except BaseException:
+            # Interrupted (a time limit, gevent.Timeout) with a result nobody will
+            # read, and a lock it may or may not have taken: the session cannot be
+            # trusted again. Closed, it holds nothing.
+            self.close()
+            raise
+        return results[-1]
+
+    def _checked(self, result: pq.abc.PGresult) -> pq.abc.PGresult:
+        if result.status != pq.ExecStatus.TUPLES_OK:
+            raise errors.error_from_result(result, encoding=self.conn.info.encoding)
+        return result
+
+    def close(self) -> None:
+        """Close the session (its locks go with it); only in the process that opened it."""
+        if self.pid == os.getpid():
+            self.conn.close()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close this process's copy of the socket, never write to it.
+
+        Only the parent's own life then decides when the session ends, and libpq
+        never writes a goodbye on a descriptor number the child may reuse.
+        """
+        if not self.closed:
+            with contextlib.suppress(OSError, psycopg.Error):
+                os.close(self.pgconn.socket)
+        self.revoke("this lock connection belongs to the parent process")
+        self.conn.pgconn = dead_pgconn()
+
+
+def _message_types(data: bytes) -> list[bytes]:
+    """The type bytes of the protocol messages that start ``data`` (type, int32 length)."""
+    types, at = [], 0
+    while at + 5 <= len(data):
+        types.append(data[at : at + 1])
+        at += 1 + int.from_bytes(data[at + 1 : at + 5], "big")
+    return types

@@ -1,0 +1,229 @@
+"""Strategies ``connect`` and ``reuse``: a session to itself for every holder.
+
+Session-level advisory locks are re-entrant within a session, so two holders
+must never share one. ``connect`` opens a session for each lock and closes it
+at release. ``reuse`` keeps up to ``pglock_idle_sessions`` idle sessions per
+process and configuration: a session is taken by one holder at a time and goes
+back only after a clean unlock (a holder that had a handle is reset with
+``DISCARD ALL`` first: its server-side state back to the session's start); any
+doubt closes it. An idle session found ended by the server is closed before
+use; a lock statement is never retried on another session without the caller
+knowing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.pq import TransactionStatus
+
+from .. import sql
+from ..config import PglockConfig
+from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
+from ..monitor import Hold, one_line
+from ..session import LockSession, idle_name, open_session
+from . import REUSE, Registry, Source
+
+
+class DedicatedSource(Source):
+    """Sessions opened per lock (``connect``) or kept idle between locks (``reuse``)."""
+
+    def __init__(self, config: PglockConfig, registry: Registry) -> None:
+        super().__init__(config, registry)
+        self.reuse = config.strategy == REUSE
+        self._idle: list[LockSession] = []
+        self._idle_name = idle_name(config.application_name)
+
+    # -- acquire ---------------------------------------------------------------------
+
+    def acquire(self, hold: Hold, *, wait: bool, timeout: float | None) -> bool:
+        session = self._take_idle()
+        if session is None:
+            session = self._open(hold)
+        hold.session = session
+        try:
+            hold.granted = self._lock_on(session, hold, wait=wait, timeout=timeout)
+        except psycopg.Error as exc:
+            self._discard(session)
+            raise LockUnavailable(
+                f"lock {hold.label}: the lock session failed while locking: {one_line(exc)}"
+            ) from exc
+        except BaseException:
+            self._discard(session)
+            raise
+        return hold.granted
+
+    def _take_idle(self) -> LockSession | None:
+        """An idle session the server still has, or None (dead ones are closed)."""
+        while True:
+            with self._mutex:
+                if not self._idle:
+                    return None
+                session = self._idle.pop()
+            if session.alive():
+                return session
+            self._discard(session)  # ended while idle (a restart, a DBA): it held nothing
+
+    def _open(self, hold: Hold) -> LockSession:
+        # Under reuse a session outlives its holder: it starts under the idle name.
+        name = self._idle_name if self.reuse else hold.application_name
+        with self.registry.opening():
+            session = open_session(self.config, name)
+            self._register(session)
+        return session
+
+    def _lock_on(
+        self, session: LockSession, hold: Hold, *, wait: bool, timeout: float | None
+    ) -> bool:
+        key = str(hold.key).encode()
+        name = hold.application_name.encode()
+        held = b"," + key + b","
+        if not wait:
+            result = session.query(*sql.TRY, (name, held, session.token.encode(), key))
+            got = result.get_value(0, 0)
+            backend_pid = result.get_value(0, 1)
+            if got is None or backend_pid is None or int(backend_pid) != session.backend_pid:
+                raise _moved(session, hold.label, backend_pid)
+            return got == b"t"
+        with session.guard:
+            restore = None
+            if timeout is not None:
+                # lock_timeout = 0 means "forever" to Postgres: wait at least 1 ms.
+                bound = b"%dms" % max(1, round(timeout * 1000))
+                restore = session.query(*sql.SET_WAIT_BOUND, (bound,)).get_value(0, 0)
+            try:
+                waited = session.query(*sql.WAIT, (session.token.encode(), key))
+            except pg_errors.LockNotAvailable:
+                raise LockTimeout(f"lock {hold.label} not obtained within {timeout:g} s") from None
+            if waited.get_value(0, 0) is None:
+                raise _moved(session, hold.label, None)
+            result = session.query(*sql.AFTER_WAIT, (name, held, restore, key))
+        backend_pid = result.get_value(0, 0)
+        if backend_pid is None or int(backend_pid) != session.backend_pid:
+            raise _moved(session, hold.label, backend_pid)
+        return True
+
+    # -- release ---------------------------------------------------------------------
+
+    def release(self, hold: Hold, *, clean: bool) -> None:
+        session = hold.session
+        if session is None:
+            return
+        keep = False
+        try:
+            if not hold.granted:
+                keep = clean  # nothing was taken on this session
+                return
+            keep = self._unlock(session, hold) and clean
+            if keep and session.handed_out:
+                try:
+                    session.execute(sql.RESET_HANDED_OUT)
+                    session.forget_prepared()
+                except psycopg.Error:
+                    keep = False
+        finally:
+            if not (keep and self._give_back(session)):
+                self._discard(session)
+
+    def _unlock(self, session: LockSession, hold: Hold) -> bool:
+        """Unlock and wait for it; whether the session may be used again, or LockLost."""
+        label = hold.label
+        session.revoke(f"lock {label} was released: this connection is closed")
+        clean = True
+        key = str(hold.key).encode()
+        try:
+            with session.guard:
+                status = session.pgconn.transaction_status
+                if status not in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
+                    if status == TransactionStatus.ACTIVE:
+                        # A statement still runs (sent around the library): closing
+                        # the session is the only clean way out.
+                        return False
+                    session.conn.rollback()  # made under the lock: it must not outlive it
+                    clean = False
+                if self.reuse:
+                    params = (key, self._idle_name.encode())
+                    unlocked = session.query(*sql.UNLOCK_FOR_REUSE, params).get_value(0, 0)
+                else:
+                    unlocked = session.query(*sql.UNLOCK, (key,)).get_value(0, 0)
+        except psycopg.Error as exc:
+            self.monitor.count_loss("at_release")
+            raise LockLost(
+                f"lock {label}: the session failed at release, so the lock "
+                f"was lost before it: {one_line(exc)}"
+            ) from exc
+        if unlocked != b"t":
+            self.monitor.count_loss("at_release")
+            raise LockLost(f"lock {label} was no longer held at release")
+        if hold.lost is not None:
+            raise LockLost(f"lock {label} was lost while held: {hold.lost}")
+        return clean and not session.pgconn.pipeline_status
+
+    def _give_back(self, session: LockSession) -> bool:
+        """Keep ``session`` idle for a later lock; False when it may not be."""
+        if not self.reuse or session.pooled or session.pid != os.getpid():
+            return False
+        with self._mutex:
+            if len(self._idle) >= self.config.idle_sessions:
+                return False
+            session.handed_out = False
+            self._idle.append(session)
+            return True
+
+    # -- what a holder touches ---------------------------------------------------------
+
+    def connection(self, hold: Hold) -> psycopg.Connection[Any]:
+        session = hold.session
+        assert session is not None
+        with session.guard:
+            if hold.ended:
+                raise LockLost(f"lock {hold.label} was released: it has no connection")
+            if hold.handle is None or hold.handle.closed:
+                hold.handle = session.handle()
+            return hold.handle
+
+    @contextlib.contextmanager
+    def transaction(self, hold: Hold) -> Iterator[psycopg.Connection[Any]]:
+        conn = self.connection(hold)
+        with conn.transaction():
+            yield conn
+
+    def lost(self, hold: Hold, reason: str) -> None:
+        session = hold.session
+        if session is None or session.closed or "session failed" in reason:
+            return
+        # Alive but without the lock (or on a standby): end the session, so that no
+        # further write of this holder can commit.
+        with session.guard, contextlib.suppress(psycopg.Error):
+            session.execute(sql.TERMINATE_SELF)
+
+    def close(self) -> None:
+        with self._mutex:
+            idle, self._idle = self._idle, []
+        for session in idle:
+            self._discard(session)
+
+    def idle_count(self) -> int:
+        """Idle sessions kept (for tests and benchmarks)."""
+        with self._mutex:
+            return len(self._idle)
+
+    def after_fork_in_child(self) -> list[LockSession]:
+        self._idle = []
+        return super().after_fork_in_child()
+
+
+def _moved(session: LockSession, label: str, backend_pid: bytes | None) -> PglockError:
+    """The error for a lock statement that did not run on the session's own backend."""
+    ran_on = backend_pid.decode() if backend_pid else "another"
+    return LockUnavailable(
+        f"lock {label}: the lock statement did not run on the session's own "
+        f"backend {session.backend_pid} (it ran on {ran_on}, without this session's "
+        "token, or with an earlier holder's lock): a pooler moved the session, so it "
+        "fails closed"
+    )

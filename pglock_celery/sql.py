@@ -1,0 +1,135 @@
+"""Every statement the lock sessions send, named for what it does.
+
+The lock statements are ``(name, text)`` pairs of bytes for libpq: a session runs
+one unprepared the first time and prepares it under its name the second time
+(see session.LockSession.query). Every built-in is called as ``pg_catalog.f`` so
+that a role's ``search_path`` cannot put a function of the same name first.
+
+A held lock is taken twice (its count is 2), so that a check can unlock it once
+and take it again without ever letting it go: "still held" in O(1), never read
+from ``pg_locks``. A lock session records the keys it holds in the session
+setting ``pglock.held`` (``,key1,key2,``), which guarded tables read (guard.py).
+Every lock statement proves that it ran on the session's own backend (its
+``pglock.session`` token in force, no earlier holder's key in ``pglock.held``),
+so a session moved by a pooler fails closed instead of locking elsewhere.
+"""
+
+from __future__ import annotations
+
+#: The session setting listing the keys a lock session holds (``,k1,k2,``).
+HELD_SETTING = "pglock.held"
+#: The session setting carrying a per-session token, set in the startup options.
+SESSION_TOKEN_SETTING = "pglock.session"
+
+Statement = tuple[bytes, bytes]
+
+# -- a dedicated session (strategies connect and reuse) ----------------------------
+
+#: Try the lock, only on the session's own backend holding nothing of an earlier
+#: holder's (NULL otherwise: a pooler moved it); once granted, take it a second time,
+#: name the session after its holder and record the key.
+#: $1 application_name, $2 ",key,", $3 token, $4 key.
+TRY: Statement = (
+    b"pglock_try",
+    b"SELECT got, pg_catalog.pg_backend_pid(), CASE WHEN got THEN pg_catalog.concat("
+    b"pg_catalog.set_config('application_name', $1::pg_catalog.text, false),"
+    b" pg_catalog.set_config('pglock.held', $2::pg_catalog.text, false),"
+    b" pg_catalog.pg_try_advisory_lock($4::pg_catalog.int8)) END"
+    b" FROM (SELECT CASE WHEN pg_catalog.texteq("
+    b"pg_catalog.current_setting('pglock.session', true), $3::pg_catalog.text)"
+    b" AND pg_catalog.texteq(coalesce(pg_catalog.current_setting('pglock.held', true), ''), '')"
+    b" THEN pg_catalog.pg_try_advisory_lock($4::pg_catalog.int8) END AS got) AS attempt",
+)
+#: Bound the next wait: returns lock_timeout as it was. $1 the bound, e.g. "1500ms".
+SET_WAIT_BOUND: Statement = (
+    b"pglock_set_wait_bound",
+    b"SELECT pg_catalog.current_setting('lock_timeout'),"
+    b" pg_catalog.set_config('lock_timeout', $1, false)",
+)
+#: Wait for the lock with the same proof as TRY: '' once granted, NULL when the
+#: statement is not on the session's own backend. $1 token, $2 key.
+WAIT: Statement = (
+    b"pglock_wait",
+    b"SELECT CASE WHEN pg_catalog.texteq("
+    b"pg_catalog.current_setting('pglock.session', true), $1::pg_catalog.text)"
+    b" AND pg_catalog.texteq(coalesce(pg_catalog.current_setting('pglock.held', true), ''), '')"
+    b" THEN pg_catalog.pg_advisory_lock($2::pg_catalog.int8)::pg_catalog.text END",
+)
+#: After a granted wait: name the session, record the key, take it a second time and
+#: put lock_timeout back ($3 NULL leaves it). $1 application_name, $2 ",key,", $4 key.
+AFTER_WAIT: Statement = (
+    b"pglock_after_wait",
+    b"SELECT pg_catalog.pg_backend_pid(),"
+    b" pg_catalog.set_config('application_name', $1::pg_catalog.text, false),"
+    b" pg_catalog.set_config('pglock.held', $2, false),"
+    b" pg_catalog.pg_try_advisory_lock($4::pg_catalog.int8),"
+    b" pg_catalog.set_config('lock_timeout',"
+    b" coalesce($3::pg_catalog.text, pg_catalog.current_setting('lock_timeout')), false)",
+)
+#: Free the lock before the session closes; true when it was still held. $1 key.
+UNLOCK: Statement = (
+    b"pglock_unlock",
+    b"SELECT pg_catalog.pg_advisory_unlock($1::pg_catalog.int8),"
+    b" pg_catalog.pg_advisory_unlock_all()",
+)
+#: Free the lock of a session that goes back to the idle ones: no advisory lock of the
+#: holder's stays, nor its name. $1 key, $2 the idle application_name.
+UNLOCK_FOR_REUSE: Statement = (
+    b"pglock_unlock_reuse",
+    b"SELECT pg_catalog.pg_advisory_unlock($1::pg_catalog.int8),"
+    b" pg_catalog.pg_advisory_unlock_all(),"
+    b" pg_catalog.set_config('application_name', $2, false),"
+    b" pg_catalog.set_config('pglock.held', '', false)",
+)
+#: What a holder may have left on a session that goes back to the idle ones.
+RESET_HANDED_OUT = b"DISCARD ALL"
+
+# -- a shared session (strategy shared) --------------------------------------------
+
+#: Try the lock on the session's own backend; once granted, a second time, and add
+#: the key to pglock.held. $1 token, $2 key.
+TRY_SHARED: Statement = (
+    b"pglock_try_shared",
+    b"SELECT got, pg_catalog.pg_backend_pid(), CASE WHEN got THEN pg_catalog.concat("
+    b"pg_catalog.set_config('pglock.held', pg_catalog.concat("
+    b"coalesce(nullif(pg_catalog.current_setting('pglock.held', true), ''), ','),"
+    b" $2::pg_catalog.text, ','), false),"
+    b" pg_catalog.pg_try_advisory_lock($2::pg_catalog.int8)) END"
+    b" FROM (SELECT CASE WHEN pg_catalog.texteq("
+    b"pg_catalog.current_setting('pglock.session', true), $1::pg_catalog.text)"
+    b" THEN pg_catalog.pg_try_advisory_lock($2::pg_catalog.int8) END AS got) AS attempt",
+)
+#: Both counts of the key go, and the key leaves pglock.held; the first result says
+#: whether it was still held. $1 key.
+UNLOCK_SHARED: Statement = (
+    b"pglock_unlock_shared",
+    b"SELECT pg_catalog.pg_advisory_unlock($1::pg_catalog.int8),"
+    b" pg_catalog.pg_advisory_unlock($1::pg_catalog.int8),"
+    b" pg_catalog.set_config('pglock.held',"
+    b" pg_catalog.replace(pg_catalog.current_setting('pglock.held', true),"
+    b" pg_catalog.concat(',', $1::pg_catalog.text, ','), ','), false)",
+)
+#: After a holder's transaction on a shared session: its session-level state goes,
+#: the locks stay; ``{held}`` is the session's keys as pglock.held lists them.
+RESET_AFTER_TRANSACTION = (
+    "SET SESSION AUTHORIZATION DEFAULT; RESET ALL; DEALLOCATE ALL; CLOSE ALL; UNLISTEN *;"
+    " DISCARD TEMP; DISCARD SEQUENCES;"
+    " SELECT pg_catalog.set_config('pglock.held', '{held}', false)"
+)
+
+# -- any lock session ------------------------------------------------------------
+
+#: Is the server a primary, and does this session still hold the key? Unlocking a
+#: held key once and taking it again never lets it go (its count is 2); a key the
+#: session no longer holds is not unlocked (false) and not taken. $1 key.
+CHECK: Statement = (
+    b"pglock_check",
+    b"SELECT pg_catalog.pg_is_in_recovery(),"
+    b" CASE WHEN pg_catalog.pg_advisory_unlock($1::pg_catalog.int8)"
+    b" THEN pg_catalog.pg_try_advisory_lock($1::pg_catalog.int8) END",
+)
+#: End this session's own backend: a session that lives on without its lock must
+#: commit nothing more.
+TERMINATE_SELF = b"SELECT pg_catalog.pg_terminate_backend(pg_catalog.pg_backend_pid())"
+#: The backend a new session landed on, and whether its startup options are in force.
+VERIFY_SESSION = b"SELECT pg_catalog.pg_backend_pid(), pg_catalog.current_setting(%s, true)"
