@@ -36,9 +36,9 @@ from bench import scale
 from bench.report import write_section
 from bench.server import bench_postgres
 from bench.workers import worker
-from pglock_celery import sessions
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
+from pglock_celery.sources import registry
 from tasks.services import redis_service
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,10 +51,7 @@ _UNLOCK = (
 
 def close_sessions() -> None:
     """Close this process's idle and shared lock sessions (they hold nothing)."""
-    sessions.close_idle()
-    close_shared = getattr(sessions, "close_shared", None)  # builds with strategy shared
-    if close_shared is not None:
-        close_shared()
+    registry.close()
 
 
 def strategies(dsn: str) -> tuple[str, ...]:

@@ -50,11 +50,12 @@ from bench.guard import ForeignLocks
 from bench.report import write_section
 from bench.server import bench_postgres, system_bindir
 from bench.workers import worker
-from pglock_celery import TenantLockedTask, sessions
+from pglock_celery import TenantLockedTask
 from pglock_celery.config import PglockConfig
 from pglock_celery.inspect import find_holder
 from pglock_celery.keys import lock_key
 from pglock_celery.lock import AdvisoryLock
+from pglock_celery.sources import registry
 from tasks.services import redis_service, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -467,10 +468,7 @@ def _spin(args: tuple[str, float, float]) -> int:
 
 
 def _close_sessions() -> None:
-    sessions.close_idle()
-    close_shared = getattr(sessions, "close_shared", None)  # builds with the shared strategy
-    if close_shared is not None:
-        close_shared()
+    registry.close()
 
 
 def _until(once: Callable[[], None], start: float, end: float) -> int:

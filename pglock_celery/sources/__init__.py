@@ -204,6 +204,14 @@ class Registry:
         for source in self.sources():
             source.close()
 
+    def idle_count(self) -> int:
+        """Idle sessions this process keeps (strategy ``reuse``; for tests and benchmarks)."""
+        return sum(getattr(source, "idle_count", lambda: 0)() for source in self.sources())
+
+    def shared_count(self) -> int:
+        """Shared sessions this process has open (for tests and benchmarks)."""
+        return sum(getattr(source, "session_count", lambda: 0)() for source in self.sources())
+
     def _before_fork(self) -> None:
         self._fork_barrier.acquire()
         self._fork_barrier.wait_for(lambda: self._opening == 0, timeout=self.FORK_WAIT)

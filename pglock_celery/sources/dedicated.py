@@ -42,12 +42,29 @@ class DedicatedSource(Source):
     # -- acquire ---------------------------------------------------------------------
 
     def acquire(self, hold: Hold, *, wait: bool, timeout: float | None) -> bool:
+        """Try first, then wait if asked: a wait starts only on a session that answered.
+
+        An idle session can have been ended by the server since its last use (a
+        restart, a DBA) a moment before its socket shows it: when the try fails on
+        such a session, it held nothing, and the try goes to a new session. Once a
+        wait has started, its failure is the caller's (LockUnavailable).
+        """
         session = self._take_idle()
+        fresh = session is None
         if session is None:
             session = self._open(hold)
-        hold.session = session
         try:
-            hold.granted = self._lock_on(session, hold, wait=wait, timeout=timeout)
+            try:
+                granted = self._try(session, hold)
+            except psycopg.Error:
+                if fresh:
+                    raise
+                self._discard(session)
+                session = self._open(hold)
+                granted = self._try(session, hold)
+            hold.session = session
+            if not granted and wait:
+                granted = self._wait(session, hold, timeout)
         except psycopg.Error as exc:
             self._discard(session)
             raise LockUnavailable(
@@ -56,7 +73,8 @@ class DedicatedSource(Source):
         except BaseException:
             self._discard(session)
             raise
-        return hold.granted
+        hold.granted = granted
+        return granted
 
     def _take_idle(self) -> LockSession | None:
         """An idle session the server still has, or None (dead ones are closed)."""
@@ -77,19 +95,18 @@ class DedicatedSource(Source):
             self._register(session)
         return session
 
-    def _lock_on(
-        self, session: LockSession, hold: Hold, *, wait: bool, timeout: float | None
-    ) -> bool:
+    def _try(self, session: LockSession, hold: Hold) -> bool:
         key = str(hold.key).encode()
-        name = hold.application_name.encode()
-        held = b"," + key + b","
-        if not wait:
-            result = session.query(*sql.TRY, (name, held, session.token.encode(), key))
-            got = result.get_value(0, 0)
-            backend_pid = result.get_value(0, 1)
-            if got is None or backend_pid is None or int(backend_pid) != session.backend_pid:
-                raise _moved(session, hold.label, backend_pid)
-            return got == b"t"
+        params = (hold.application_name.encode(), b"," + key + b",", session.token.encode(), key)
+        result = session.query(*sql.TRY, params)
+        got = result.get_value(0, 0)
+        backend_pid = result.get_value(0, 1)
+        if got is None or backend_pid is None or int(backend_pid) != session.backend_pid:
+            raise _moved(session, hold.label, backend_pid)
+        return got == b"t"
+
+    def _wait(self, session: LockSession, hold: Hold, timeout: float | None) -> bool:
+        key = str(hold.key).encode()
         with session.guard:
             restore = None
             if timeout is not None:
@@ -99,10 +116,12 @@ class DedicatedSource(Source):
             try:
                 waited = session.query(*sql.WAIT, (session.token.encode(), key))
             except pg_errors.LockNotAvailable:
-                raise LockTimeout(f"lock {hold.label} not obtained within {timeout:g} s") from None
+                within = f"within {timeout:g} s" if timeout is not None else "(lock_timeout)"
+                raise LockTimeout(f"lock {hold.label} not obtained {within}") from None
             if waited.get_value(0, 0) is None:
                 raise _moved(session, hold.label, None)
-            result = session.query(*sql.AFTER_WAIT, (name, held, restore, key))
+            params = (hold.application_name.encode(), b"," + key + b",", restore, key)
+            result = session.query(*sql.AFTER_WAIT, params)
         backend_pid = result.get_value(0, 0)
         if backend_pid is None or int(backend_pid) != session.backend_pid:
             raise _moved(session, hold.label, backend_pid)

@@ -15,9 +15,10 @@ import time  # noqa: E402
 import gevent  # noqa: E402
 import psycopg  # noqa: E402
 
-from pglock_celery import LockLost, LockUnavailable, lock_key, sessions  # noqa: E402
+from pglock_celery import LockLost, LockUnavailable, lock_key  # noqa: E402
 from pglock_celery.config import PglockConfig  # noqa: E402
 from pglock_celery.lock import AdvisoryLock  # noqa: E402
+from pglock_celery.sources import registry  # noqa: E402
 
 
 def free_elsewhere(dsn: str, name: str) -> bool:
@@ -56,7 +57,7 @@ def main() -> None:
     report["free_elsewhere"] = free_elsewhere(dsn, name)
     if "--kill" in sys.argv:  # the shared session then dies: does its other holder learn it?
         with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute("SELECT pg_terminate_backend(%s)", (other._session.backend_pid,))  # type: ignore[union-attr]
+            admin.execute("SELECT pg_terminate_backend(%s)", (other.backend_pid,))  # type: ignore[union-attr]
         time.sleep(1.0)  # several check intervals of "other"
     report["other_lost"] = other.lost_reason
     report["other_held"] = other.held()
@@ -70,7 +71,7 @@ def main() -> None:
         other.release()
     except LockLost as exc:
         report["other_release"] = str(exc)
-    sessions.close_shared()
+    registry.close()
     print(json.dumps(report))
 
 

@@ -130,19 +130,6 @@ def retry_self(self: TenantLockedTask, tenant_id: str, table: str) -> dict[str, 
 
 
 @app.task(base=TenantLockedTask)
-def unlock_behind_the_library(tenant_id: str) -> dict[str, Any]:
-    """Lose its own lock where the library cannot see it, once its session has the
-    unlock prepared (only a prepared unlock is sent without waiting at release)."""
-    lock = current_lock()
-    assert lock is not None and lock._session is not None
-    session = lock._session
-    if b"pglock_unlock_reuse" not in session._prepared:
-        return {"lost": False, "pid": os.getpid()}
-    session.conn.execute("SELECT pg_advisory_unlock_all()")
-    return {"lost": True, "pid": os.getpid()}
-
-
-@app.task(base=TenantLockedTask)
 def fail(tenant_id: str) -> None:
     raise ValueError(f"step for {tenant_id} failed on purpose")
 

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from celery import Celery
 
-from pglock_celery import sessions
+from pglock_celery.sources import registry
 from tests.apps.core import app as core_app
 from tests.helpers.history import create_history, drop_history
 from tests.helpers.leftovers import leftovers
@@ -23,7 +23,7 @@ from tests.helpers.workers import Worker
 def nothing_leaks_after_the_suite(pg_dsn: str) -> Iterator[None]:
     """After every test and worker is done: no lock session, no advisory lock."""
     yield
-    sessions.close_idle()  # this process's cached sessions hold nothing; close them too
+    registry.close()  # this process's cached sessions hold nothing; close them too
     wait_until(lambda: leftovers(pg_dsn) == (0, 0), 10, "lock sessions and locks to go")
 
 

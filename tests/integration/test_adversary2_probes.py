@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from pglock_celery import LockTimeout, LockUnavailable, lock_key, sessions
+from pglock_celery import LockTimeout, LockUnavailable, lock_key
+from pglock_celery.sources import registry
 from tests.helpers.services import wait_until
 from tests.integration.test_adversary2_shared import free_elsewhere, lock
 
@@ -22,7 +23,7 @@ from tests.integration.test_adversary2_shared import free_elsewhere, lock
 @pytest.fixture(autouse=True)
 def no_shared_sessions_left() -> Iterator[None]:
     yield
-    sessions.close_shared()
+    registry.close()
 
 
 def test_threads_racing_on_one_name_under_shared_never_hold_it_together(
@@ -80,7 +81,8 @@ def test_a_failed_shared_session_open_leaks_no_claim(pg_dsn: str, run_id: str) -
     bad = pg_dsn.replace("port=5432", "port=1") if "port=5432" in pg_dsn else pg_dsn + " port=1"
     with pytest.raises(LockUnavailable):
         lock(bad, f"c:{run_id}", connect_timeout=2).acquire()
-    assert (bad, lock_key(f"c:{run_id}")) not in sessions._claimed
+    with lock(pg_dsn, f"c:{run_id}") as again:  # not left claimed in this process
+        assert again.acquired
 
 
 def test_a_shared_lock_dropped_without_release_is_freed_and_unclaimed(
@@ -93,9 +95,11 @@ def test_a_shared_lock_dropped_without_release_is_freed_and_unclaimed(
     del dropped
     gc.collect()
     wait_until(
-        lambda: (pg_dsn, lock_key(name)) not in sessions._claimed and free_elsewhere(pg_dsn, name),
+        lambda: free_elsewhere(pg_dsn, name),
         5,
-        "the dropped lock to be unlocked and unclaimed",
+        "the dropped lock to be unlocked",
     )
+    with lock(pg_dsn, name, shared_sessions=1) as again:  # and not left claimed here
+        assert again.acquired
     with lock(pg_dsn, name, shared_sessions=1) as again:
         assert again.acquired

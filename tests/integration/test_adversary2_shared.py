@@ -18,9 +18,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from pglock_celery import LockLost, lock_key, sessions
+from pglock_celery import LockLost, lock_key
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
+from pglock_celery.sources import registry
 from tests.adversary_helpers.bouncer import PGBOUNCER, pgbouncer
 from tests.conftest import IN_CI
 
@@ -28,7 +29,7 @@ from tests.conftest import IN_CI
 @pytest.fixture(autouse=True)
 def no_shared_sessions_left() -> Iterator[None]:
     yield
-    sessions.close_shared()
+    registry.close()
 
 
 def lock(dsn: str, name: str, **config: Any) -> AdvisoryLock:
@@ -86,7 +87,7 @@ def test_loss_of_a_shared_session_with_600_holds_marks_every_hold_lost(
     for one in held:
         assert one.acquire()
     try:
-        backend = held[0]._session.backend_pid  # type: ignore[union-attr]
+        backend = held[0].backend_pid
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             admin.execute("SELECT pg_terminate_backend(%s)", (backend,))
         time.sleep(0.2)  # the server ends the session
@@ -152,7 +153,7 @@ def test_session_authorization_set_in_one_holders_transaction_does_not_reach_the
                 after = conn.execute("SELECT session_user").fetchone()
         assert after == before
     finally:
-        sessions.close_shared()
+        registry.close()
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             admin.execute(f"DROP ROLE IF EXISTS {role}")
 
@@ -165,7 +166,7 @@ def test_a_dead_idle_shared_session_is_replaced_not_failing_the_next_lock(
 ) -> None:
     """A killed idle shared session is replaced: the next lock is taken, as under reuse."""
     with lock(pg_dsn, f"d:{run_id}", shared_sessions=1) as first:
-        backend = first._session.backend_pid  # type: ignore[union-attr]
+        backend = first.backend_pid
     with psycopg.connect(pg_dsn, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", (backend,))
     time.sleep(0.2)
@@ -311,7 +312,7 @@ def test_a_shared_transaction_behind_a_session_pooler_keeps_the_sessions_setting
         finally:
             with contextlib.suppress(LockLost):
                 first.release()
-            sessions.close_shared()
+            registry.close()
 
 
 # --- the monitor scheduler: one long check interval stalls every hold's first check -------
@@ -330,7 +331,7 @@ def test_a_short_interval_hold_is_checked_in_time_after_a_long_interval_hold(
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             admin.execute(
                 "SELECT pg_terminate_backend(%s)",
-                (fast._session.backend_pid,),  # type: ignore[union-attr]
+                (fast.backend_pid,),  # type: ignore[union-attr]
             )
         time.sleep(2.0)  # ten of fast's check intervals
         assert fast.lost_reason is not None

@@ -14,7 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pglock_celery import sessions
+from pglock_celery.sources import registry
 from tests.adversary_helpers import make_lock, taken_elsewhere
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(autouse=True)
 def empty_cache() -> None:
-    sessions.close_idle()
+    registry.close()
 
 
 @pytest.fixture

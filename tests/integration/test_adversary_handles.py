@@ -10,13 +10,14 @@ import time
 import psycopg
 import pytest
 
-from pglock_celery import LockLost, sessions
+from pglock_celery import LockLost
+from pglock_celery.sources import registry
 from tests.adversary_helpers import make_lock, run_bounded, taken_elsewhere, terminate
 
 
 @pytest.fixture(autouse=True)
 def empty_cache() -> None:
-    sessions.close_idle()
+    registry.close()
 
 
 def _finish(lock) -> None:  # type: ignore[no-untyped-def]
@@ -98,7 +99,7 @@ def test_a_holders_repeated_query_works_on_a_reused_session(pg_dsn: str, run_id:
         lock = make_lock(pg_dsn, f"adv:prep:{run_id}:{i}")
         assert lock.acquire()
         lock.release()
-    assert sessions.idle_count() == 1
+    assert registry.idle_count() == 1
     lock = make_lock(pg_dsn, f"adv:prep:{run_id}")
     assert lock.acquire()
     try:
@@ -202,7 +203,7 @@ def test_a_cursor_made_during_the_hold_cannot_run_under_the_next_holder(
     nxt = make_lock(pg_dsn, f"adv:cur-next:{run_id}")
     assert nxt.acquire()
     try:
-        assert sessions.idle_count() == 0  # the next holder has the same session
+        assert registry.idle_count() == 0  # the next holder has the same session
         with pytest.raises(psycopg.Error):
             cursor.execute("SELECT 1")
         with pytest.raises(psycopg.Error):

@@ -8,13 +8,14 @@ import time
 import psycopg
 import pytest
 
-from pglock_celery import LockLost, sessions
+from pglock_celery import LockLost
+from pglock_celery.sources import registry
 from tests.adversary_helpers import make_lock, run_bounded, terminate
 
 
 @pytest.fixture(autouse=True)
 def empty_cache() -> None:
-    sessions.close_idle()
+    registry.close()
 
 
 def _lost_within(lock, seconds: float) -> bool:  # type: ignore[no-untyped-def]
@@ -28,7 +29,7 @@ def test_a_session_killed_while_idle_is_found_lost_by_the_monitor(pg_dsn: str, r
     """Probe: killed between statements, the monitor reports it; sleep() and release raise."""
     lock = make_lock(pg_dsn, f"adv:idle:{run_id}", check_interval=0.2)
     assert lock.acquire()
-    terminate(pg_dsn, lock._session.backend_pid)  # type: ignore[union-attr]
+    terminate(pg_dsn, lock.backend_pid)  # type: ignore[union-attr]
     assert _lost_within(lock, 2)
     with pytest.raises(LockLost):
         lock.sleep(0.1)
@@ -73,13 +74,13 @@ def test_a_session_that_replaced_a_dead_cached_one_is_watched(pg_dsn: str, run_i
     """Probe: the fresh session that replaced a dead cached one is monitored like any other."""
     warm = make_lock(pg_dsn, f"adv:warm:{run_id}")
     assert warm.acquire()
-    dead = warm._session.backend_pid  # type: ignore[union-attr]
+    dead = warm.backend_pid
     warm.release()
     terminate(pg_dsn, dead)
     time.sleep(0.2)
     lock = make_lock(pg_dsn, f"adv:repl:{run_id}", check_interval=0.2)
     assert lock.acquire()
-    backend = lock._session.backend_pid  # type: ignore[union-attr]
+    backend = lock.backend_pid
     assert backend != dead
     terminate(pg_dsn, backend)
     assert _lost_within(lock, 2)

@@ -8,14 +8,15 @@ import gc
 import psycopg
 import pytest
 
-from pglock_celery import LockLost, LockTimeout, sessions
+from pglock_celery import LockLost, LockTimeout
+from pglock_celery.sources import registry
 from tests.adversary_helpers import make_lock, taken_elsewhere
 from tests.helpers.services import wait_until
 
 
 @pytest.fixture(autouse=True)
 def empty_cache() -> None:
-    sessions.close_idle()
+    registry.close()
 
 
 def test_a_polled_lock_object_dropped_later_leaves_another_holder_alone(
@@ -63,7 +64,7 @@ def test_a_lock_dropped_without_release_is_freed(pg_dsn: str, run_id: str) -> No
     del cyclic
     gc.collect()
     wait_until(lambda: taken_elsewhere(pg_dsn, key), 2, "the dropped lock to be freed")
-    assert sessions.idle_count() == 0
+    assert registry.idle_count() == 0
 
 
 def test_a_timed_out_wait_on_a_cached_session_leaves_nothing_behind(
@@ -73,7 +74,7 @@ def test_a_timed_out_wait_on_a_cached_session_leaves_nothing_behind(
     warm = make_lock(pg_dsn, f"adv:warm:{run_id}")
     assert warm.acquire()
     warm.release()
-    assert sessions.idle_count() == 1
+    assert registry.idle_count() == 1
     blocker = psycopg.connect(pg_dsn, autocommit=True)
     try:
         waiting = make_lock(pg_dsn, f"adv:wait:{run_id}", wait=True, timeout=0.2)
@@ -124,7 +125,7 @@ def test_a_reused_session_shows_the_next_holder_no_server_state(pg_dsn: str, run
     ):
         conn.execute(statement)
     first.release()
-    assert sessions.idle_count() == 1
+    assert registry.idle_count() == 1
     nxt = make_lock(pg_dsn, f"adv:clean:{run_id}")
     assert nxt.acquire()
     try:

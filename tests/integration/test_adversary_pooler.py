@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from pglock_celery import LockLost, LockUnavailable, sessions
+from pglock_celery import LockLost, LockUnavailable
+from pglock_celery.sources import registry
 from tests.adversary_helpers import make_lock, taken_elsewhere
 from tests.adversary_helpers.bouncer import PGBOUNCER, pgbouncer
 from tests.conftest import IN_CI
@@ -25,7 +26,7 @@ def pgbouncer_installed() -> None:
 
 @pytest.fixture(autouse=True)
 def empty_cache() -> None:
-    sessions.close_idle()
+    registry.close()
 
 
 @pytest.fixture
@@ -58,7 +59,7 @@ def test_two_holders_through_a_transaction_pooler_never_both_hold(
         for lock in (second, first):
             with contextlib.suppress(LockLost, LockUnavailable):
                 lock.release()
-        sessions.close_idle()
+        registry.close()
 
 
 # --- probes that pass: kept as regression tests ---------------------------------------
@@ -86,4 +87,4 @@ def test_a_session_pooler_excludes_and_is_never_reused(
         assert not taken_elsewhere(pg_dsn, first.key)
     finally:
         first.release()
-    assert sessions.idle_count() == 0
+    assert registry.idle_count() == 0

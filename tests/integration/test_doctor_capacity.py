@@ -7,8 +7,9 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from pglock_celery import sessions, try_lock
+from pglock_celery import try_lock
 from pglock_celery.doctor import Finding, run_checks
+from pglock_celery.sources import registry
 from tests.helpers.services import EmbeddedPostgres
 from tests.integration.test_cli import cli
 
@@ -66,7 +67,7 @@ def test_capacity_counts_the_advisory_locks_held_now_and_which_are_pglocks(
     with try_lock("capacity:a", dsn=small) as a, try_lock("capacity:b", dsn=small) as b:
         assert a.acquired and b.acquired
         finding = capacity(run_checks(small))
-    sessions.close_idle()
+    registry.close()
     assert finding.level == "ok"
     # A pglock lock is taken twice on its session (count 2) but is one entry.
     assert "32 in use (32 advisory, 2 of them by pglock sessions)" in finding.message
@@ -100,7 +101,7 @@ def test_the_fleets_locks_held_now_are_not_counted_twice(small: str) -> None:
     with try_lock("capacity:c", dsn=small) as c, try_lock("capacity:d", dsn=small) as d:
         assert c.acquired and d.acquired
         finding = capacity(run_checks(small, locks=10))
-    sessions.close_idle()
+    registry.close()
     assert "2 of them by pglock sessions); with the fleet's 10 that makes 10" in finding.message
 
 

@@ -15,7 +15,8 @@ import pytest
 import redis
 from celery import Celery
 
-from pglock_celery import LockUnavailable, TenantLockedTask, sessions
+from pglock_celery import LockUnavailable, TenantLockedTask
+from pglock_celery.sources import registry
 from tests.apps import core
 from tests.helpers import netns
 from tests.helpers.services import EmbeddedPostgres, wait_until
@@ -102,7 +103,7 @@ def call(dsn: str, tenant: str) -> tuple[bool, BaseException | None]:
         return "ran"
 
     result = step.apply((tenant,))
-    sessions.close_idle()  # a cached session would hold a slot of the server's
+    registry.close()  # a cached session would hold a slot of the server's
     error = result.result if isinstance(result.result, BaseException) else None
     return bool(ran), error
 

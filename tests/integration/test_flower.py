@@ -142,43 +142,6 @@ def test_flower_shows_a_lost_lock_as_a_failure_naming_it(
     wait_until(loss_counted, 30, "Flower's metrics to count the loss", 0.2)
 
 
-def lost_events_counted(flower: str) -> float:
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in fetch(f"{flower}/metrics").splitlines()
-        if line.startswith("flower_events_total") and 'type="task-lock-lost"' in line
-    )
-
-
-def test_a_loss_found_after_the_release_is_logged_and_counted(
-    flower: str, events_worker: Worker, queue: str, run_id: str
-) -> None:
-    """A release sends its unlock without waiting: what it shows comes afterwards."""
-    before = lost_events_counted(flower)
-    for _ in range(10):  # until a call runs on a session that will not wait
-        call = core.unlock_behind_the_library.apply_async((run_id,), queue=queue + SUFFIX)
-        result = call.get(timeout=30)
-        if result["lost"]:
-            break
-    assert result["lost"], "no call ran on a session with its unlock prepared"
-    assert call.state == "SUCCESS"  # the call had returned before its loss was known
-    wait_until(lambda: lost_events_counted(flower) > before, 30, "Flower to count the loss", 0.2)
-    line = wait_until(
-        lambda: next(
-            (
-                line
-                for line in events_worker.log.read_text(errors="replace").splitlines()
-                if "lost before its release" in line and f"tenant:{run_id}" in line
-            ),
-            None,
-        ),
-        10,
-        "the worker's log line",
-    )
-    print(f"\n{line}")
-    assert call.id in line
-
-
 def chromium() -> Any:
     """Headless Debian Chromium through its chromedriver (no browser download)."""
     browser, driver = shutil.which("chromium"), shutil.which("chromedriver")

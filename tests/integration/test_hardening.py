@@ -26,13 +26,13 @@ from pglock_celery import (
     TenantLockedTask,
     current_lock,
     lock_key,
-    sessions,
     try_lock,
     wait_lock,
 )
 from pglock_celery.config import PglockConfig
 from pglock_celery.inspect import find_holder, list_holders
 from pglock_celery.lock import AdvisoryLock
+from pglock_celery.sources import registry
 from tests.helpers.pgbouncer import pgbouncer
 from tests.helpers.services import wait_until
 
@@ -43,9 +43,9 @@ NOWHERE = "host=127.0.0.1 port=1 user=nobody dbname=none connect_timeout=2"
 
 @pytest.fixture(autouse=True)
 def empty_cache() -> Iterator[None]:
-    sessions.close_idle()
+    registry.close()
     yield
-    sessions.close_idle()
+    registry.close()
 
 
 def lock(dsn: str, name: str, **config: Any) -> AdvisoryLock:
@@ -222,7 +222,7 @@ def test_a_declared_session_pooler_works_with_the_settings_in_force(
         ).fetchone()
         assert shown in (("12s", "0"), ("12000", "0"))  # shown from the socket: no unit
     assert free_elsewhere(pg_dsn, f"t:{run_id}")
-    assert sessions.idle_count() == 0  # a pooled session is never reused
+    assert registry.idle_count() == 0  # a pooled session is never reused
 
 
 # Findings 4, 5, 10: a reused session is pristine, handles die at release -------------------
@@ -244,7 +244,7 @@ def test_a_reused_session_comes_back_pristine_client_and_server_side(
         conn.row_factory = dict_row  # type: ignore[assignment]
         conn.execute("SELECT %s::int", (1,))
         conn.commit()
-    assert sessions.idle_count() == 1
+    assert registry.idle_count() == 1
     with lock(pg_dsn, f"b:{run_id}") as second:
         conn = second.connection
         assert conn.info.backend_pid == backend  # the very session, reused

@@ -10,9 +10,10 @@ import psycopg
 import pytest
 from celery import Celery
 
-from pglock_celery import LockLost, TenantLockedTask, current_lock, sessions
+from pglock_celery import LockLost, TenantLockedTask, current_lock
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
+from pglock_celery.sources import registry
 
 CHECK_INTERVAL = 0.2
 #: The first check comes within 1.25 intervals of the grant, then one per interval.
@@ -21,9 +22,9 @@ DETECTION_BOUND = 1.25 * CHECK_INTERVAL + CHECK_INTERVAL + 0.5
 
 @pytest.fixture(autouse=True)
 def empty_cache() -> Iterator[None]:
-    sessions.close_idle()
+    registry.close()
     yield
-    sessions.close_idle()
+    registry.close()
 
 
 @pytest.fixture

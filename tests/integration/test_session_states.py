@@ -10,7 +10,6 @@ pristine, and nothing is left after a release.
 from __future__ import annotations
 
 import os
-import threading
 import time
 import uuid
 from typing import Any
@@ -29,10 +28,10 @@ from hypothesis.stateful import (
 )
 from psycopg.rows import dict_row, tuple_row
 
-from pglock_celery import LockLost, lock_key, sessions
+from pglock_celery import LockLost, lock_key
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
-from pglock_celery.scheduler import scheduler
+from pglock_celery.sources import registry
 from tests.helpers.services import wait_until
 
 NAMES = ("a", "b", "c")
@@ -70,7 +69,7 @@ class LockSessionLives(RuleBasedStateMachine):
 
     @initialize()
     def start_clean(self) -> None:
-        sessions.close_idle()
+        registry.close()
 
     @rule(
         target=held,
@@ -168,16 +167,15 @@ class LockSessionLives(RuleBasedStateMachine):
 
     @rule(entry=held)
     def kill_a_held_session(self, entry: Entry) -> None:
-        hold = entry.lock._hold
-        if hold is None or entry.killed:
+        backend = entry.lock.backend_pid
+        if backend is None or entry.killed:
             return
-        self.admin.execute("SELECT pg_terminate_backend(%s)", (hold.session.backend_pid,))
+        self.admin.execute("SELECT pg_terminate_backend(%s)", (backend,))
         entry.killed = True
 
     @rule()
     def kill_the_idle_sessions(self) -> None:
-        with sessions._guard:
-            pids = [s.backend_pid for stack in sessions._idle.values() for s in stack]
+        pids = [s.backend_pid for source in registry.sources() for s in source._idle]
         for pid in pids:
             self.admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
 
@@ -209,13 +207,11 @@ class LockSessionLives(RuleBasedStateMachine):
     def every_hold_is_watched(self) -> None:
         for entry in self.entries:
             hold = entry.lock._hold
-            if hold is None or entry.killed:
+            if hold is None or not hold.granted or entry.killed:
                 continue
 
             def watched(hold: Any = hold) -> bool:
-                names = {t.name for t in threading.enumerate()}
-                scheduled = id(hold) in scheduler._held
-                return scheduled or f"pglock-monitor {hold.label}" in names
+                return id(hold) in registry.monitor._holds
 
             deadline = time.monotonic() + 1
             while not watched() and time.monotonic() < deadline:
@@ -231,8 +227,7 @@ class LockSessionLives(RuleBasedStateMachine):
 
     @invariant()
     def idle_sessions_hold_nothing(self) -> None:
-        with sessions._guard:
-            pids = [s.backend_pid for stack in sessions._idle.values() for s in stack]
+        pids = [s.backend_pid for source in registry.sources() for s in source._idle]
         if pids:
             row = self.admin.execute(
                 "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = ANY(%s)",
@@ -246,7 +241,7 @@ class LockSessionLives(RuleBasedStateMachine):
                 entry.lock.release()
             except LockLost:
                 assert entry.killed
-        sessions.close_idle()
+        registry.close()
         self.admin.execute("SELECT pg_advisory_unlock_all()")
         for name in NAMES:
             assert self._free(name), f"{name} is still held after the teardown"

@@ -8,15 +8,16 @@ import select
 import psycopg
 import pytest
 
-from pglock_celery import LockLost, handles, lock_key, sessions, try_lock
+from pglock_celery import LockLost, handles, lock_key, try_lock
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
+from pglock_celery.sources import registry
 from tests.helpers.services import wait_until
 
 
 @pytest.fixture(autouse=True)
 def empty_cache() -> None:
-    sessions.close_idle()
+    registry.close()
 
 
 def lock(dsn: str, name: str, strategy: str = "reuse") -> AdvisoryLock:
@@ -26,7 +27,7 @@ def lock(dsn: str, name: str, strategy: str = "reuse") -> AdvisoryLock:
 def test_a_clean_release_returns_the_session_for_the_next_lock(pg_dsn: str, run_id: str) -> None:
     with lock(pg_dsn, f"a:{run_id}") as first:
         backend = first.connection.info.backend_pid
-    assert sessions.idle_count() == 1
+    assert registry.idle_count() == 1
     with lock(pg_dsn, f"b:{run_id}") as second:
         assert second.connection.info.backend_pid == backend
         name = second.connection.execute("SHOW application_name").fetchone()
@@ -45,25 +46,25 @@ def test_a_clean_release_returns_the_session_for_the_next_lock(pg_dsn: str, run_
 def test_the_connect_strategy_never_keeps_a_session(pg_dsn: str, run_id: str) -> None:
     with lock(pg_dsn, f"a:{run_id}", strategy="connect"):
         pass
-    assert sessions.idle_count() == 0
+    assert registry.idle_count() == 0
 
 
 def test_two_holders_in_one_process_never_share_a_session(pg_dsn: str, run_id: str) -> None:
     with lock(pg_dsn, f"a:{run_id}") as first, lock(pg_dsn, f"a:{run_id}") as second:
         assert first.acquired and not second.acquired
-        assert first.connection.info.backend_pid != second._session.backend_pid  # type: ignore[union-attr]
+        assert first.connection.info.backend_pid != second.backend_pid
 
 
 def test_a_failed_body_closes_its_session(pg_dsn: str, run_id: str) -> None:
     with pytest.raises(ZeroDivisionError), lock(pg_dsn, f"a:{run_id}"):
         1 / 0  # noqa: B018
-    assert sessions.idle_count() == 0
+    assert registry.idle_count() == 0
 
 
 def test_an_open_transaction_closes_the_session(pg_dsn: str, run_id: str) -> None:
     with lock(pg_dsn, f"a:{run_id}") as held:
         held.connection.execute("BEGIN")
-    assert sessions.idle_count() == 0
+    assert registry.idle_count() == 0
 
 
 def test_other_advisory_locks_of_the_body_do_not_survive_in_the_cache(
@@ -72,7 +73,7 @@ def test_other_advisory_locks_of_the_body_do_not_survive_in_the_cache(
     stray = lock_key(f"stray:{run_id}")
     with lock(pg_dsn, f"a:{run_id}") as held:
         held.connection.execute("SELECT pg_advisory_lock(%s)", (stray,))
-    assert sessions.idle_count() == 1
+    assert registry.idle_count() == 1
     with try_lock(stray, dsn=pg_dsn) as other:
         assert other.acquired
 
@@ -90,18 +91,18 @@ def test_a_cached_session_that_died_is_replaced_before_locking(pg_dsn: str, run_
 def test_a_lost_lock_is_reported_and_its_session_is_not_kept(pg_dsn: str, run_id: str) -> None:
     with pytest.raises(LockLost), lock(pg_dsn, f"a:{run_id}") as held:
         held.connection.execute("SELECT pg_advisory_unlock_all()")
-    assert sessions.idle_count() == 0
+    assert registry.idle_count() == 0
 
 
 def test_a_forked_child_does_not_use_its_parents_sessions(pg_dsn: str, run_id: str) -> None:
     with lock(pg_dsn, f"a:{run_id}") as first:
         backend = first.connection.info.backend_pid
-    assert sessions.idle_count() == 1
+    assert registry.idle_count() == 1
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: reports what it sees, then leaves without cleanup
         os.close(read)
-        os.write(write, str(sessions.idle_count()).encode())
+        os.write(write, str(registry.idle_count()).encode())
         os._exit(0)
     os.close(write)
     seen = os.read(read, 16).decode()
@@ -143,10 +144,8 @@ def test_what_a_forked_child_does_with_its_parents_sessions(pg_dsn: str, run_id:
     held = lock(pg_dsn, f"a:{run_id}")
     assert held.acquire()
     cursor = held.connection.cursor()
-    guard = sessions._guard
-    sessions._after_fork_in_child()
-    assert sessions.idle_count() == 0
-    assert not sessions._open and sessions._guard is not guard
+    registry._after_fork_in_child()
+    assert registry.idle_count() == 0 and not registry.sources()
     with pytest.raises(
         psycopg.OperationalError, match=r"^this lock connection belongs to the parent process$"
     ):
@@ -169,7 +168,7 @@ def test_what_a_forked_child_does_with_its_parents_sessions(pg_dsn: str, run_id:
 def test_alive_reads_the_socket_without_taking_what_libpq_is_owed(pg_dsn: str, run_id: str) -> None:
     """A notification waiting on the socket is life, and psycopg still gets it after."""
     with lock(pg_dsn, f"a:{run_id}") as held:
-        session = held._session
+        session = held._hold.session
         assert session is not None and session.alive()  # nothing arrived: alive
         conn = held.connection
         conn.execute(f"LISTEN ch_{run_id}")
@@ -191,9 +190,10 @@ def test_alive_reads_the_socket_without_taking_what_libpq_is_owed(pg_dsn: str, r
 
 def test_a_session_discarded_is_forgotten(pg_dsn: str, run_id: str) -> None:
     with lock(pg_dsn, f"a:{run_id}", strategy="connect") as held:
-        session = held._session
-        assert session in sessions._open
-    assert session not in sessions._open and session is not None and session.closed
+        session = held._hold.session
+        source = registry.source(held.config)
+        assert session in source._sessions
+    assert session not in source._sessions and session is not None and session.closed
 
 
 @pytest.mark.parametrize("patched", [False, True])

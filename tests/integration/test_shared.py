@@ -13,9 +13,10 @@ import psycopg
 import pytest
 from celery import Celery
 
-from pglock_celery import LockLost, PglockError, install_guard, lock_key, remove_guard, sessions
+from pglock_celery import LockLost, PglockError, install_guard, lock_key, remove_guard
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
+from pglock_celery.sources import registry
 from tests.apps import core
 from tests.helpers.history import overlaps, read_history
 from tests.helpers.services import wait_until
@@ -27,7 +28,7 @@ RESULT_TIMEOUT = 120
 @pytest.fixture(autouse=True)
 def no_shared_sessions_left() -> Iterator[None]:
     yield
-    sessions.close_shared()
+    registry.close()
 
 
 def lock(dsn: str, name: str, **config: Any) -> AdvisoryLock:
@@ -69,7 +70,7 @@ def test_two_hundred_threads_hold_distinct_names_on_at_most_four_sessions(
         thread.start()
     barrier.wait(30)
     try:
-        assert sessions.shared_count(pg_dsn) <= 4
+        assert registry.shared_count() <= 4
         assert shared_backends(pg_dsn, os.getpid()) <= 4
         assert not free_elsewhere(pg_dsn, f"t:{run_id}:7")
     finally:
@@ -117,7 +118,7 @@ def test_a_failed_shared_session_loses_every_lock_on_it_at_once(pg_dsn: str, run
     held = [lock(pg_dsn, f"t:{run_id}:{n}", shared_sessions=1) for n in range(5)]
     for one in held:
         assert one.acquire()
-    backend = held[0]._session.backend_pid  # type: ignore[union-attr]
+    backend = held[0].backend_pid
     held[0].sleep(0.5)  # past one check interval: monitors run
     with psycopg.connect(pg_dsn, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", (backend,))

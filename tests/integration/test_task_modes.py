@@ -24,19 +24,19 @@ from pglock_celery import (
     TenantLockedTask,
     current_lock,
     lock_key,
-    sessions,
     try_lock,
 )
 from pglock_celery.config import PglockConfig
 from pglock_celery.inspect import find_holder
 from pglock_celery.lock import AdvisoryLock
+from pglock_celery.sources import registry
 
 
 @pytest.fixture(autouse=True)
 def empty_cache() -> Iterator[None]:
-    sessions.close_idle()
+    registry.close()
     yield
-    sessions.close_idle()
+    registry.close()
 
 
 @pytest.fixture
@@ -126,7 +126,7 @@ def test_an_overridden_on_lock_skipped_gives_the_skip_result(
     with try_lock(f"t:{run_id}", dsn=pg_dsn) as other:  # a holder that names its session
         assert other.acquired
         result = step.apply((run_id,), {"stage": "train"})
-        holder = other._session.backend_pid  # type: ignore[union-attr]
+        holder = other.backend_pid
     assert result.successful()
     assert result.result == {
         "busy": f"t:{run_id}",
@@ -174,12 +174,12 @@ def test_a_wait_with_a_timeout_on_a_cached_session_leaves_neither_timeout_nor_na
     pg_dsn: str, run_id: str
 ) -> None:
     with reuse_lock(pg_dsn, f"warm:{run_id}") as warm:
-        backend = warm._session.backend_pid  # type: ignore[union-attr]
+        backend = warm.backend_pid
     with reuse_lock(pg_dsn, f"w:{run_id}", wait=True, timeout=5) as waited:
-        assert waited._session.backend_pid == backend  # type: ignore[union-attr]
+        assert waited.backend_pid == backend  # type: ignore[union-attr]
         # Named after its holder once granted.
         assert application_name_of(pg_dsn, backend).endswith(f"|w:{run_id}")
-    assert sessions.idle_count() == 1
+    assert registry.idle_count() == 1
     assert application_name_of(pg_dsn, backend) == f"pglock-idle|{os.getpid()}"
     with reuse_lock(pg_dsn, f"next:{run_id}") as following:
         conn = following.connection
@@ -227,11 +227,11 @@ def test_a_process_keeps_at_most_idle_sessions_and_closes_the_others(
         assert lock.acquire()
     for lock in held:
         lock.release()
-    assert sessions.idle_count() == bound
+    assert registry.idle_count() == bound
     assert idle_sessions_on_server(pg_dsn) == bound
     with reuse_lock(pg_dsn, f"again:{run_id}", idle=bound) as again:
         assert again.acquired
-    assert sessions.idle_count() == bound
+    assert registry.idle_count() == bound
 
 
 # A task's own retry, and what is logged --------------------------------------------------

@@ -8,8 +8,8 @@ import uuid
 import pytest
 
 from pglock_celery import lock_key
-from pglock_celery.connection import application_name
 from pglock_celery.inspect import parse_application_name
+from pglock_celery.session import application_name
 
 
 def test_full_application_name_gives_every_field() -> None:

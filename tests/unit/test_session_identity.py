@@ -9,7 +9,7 @@ import pytest
 
 from pglock_celery import ConfigurationError
 from pglock_celery.config import PglockConfig
-from pglock_celery.connection import (
+from pglock_celery.session import (
     APPLICATION_NAME_MAX_BYTES,
     application_name,
     compact_task_id,

@@ -1,8 +1,8 @@
-"""Reading the types of the protocol messages a server sent unasked (sessions._message_types)."""
+"""Reading the types of the protocol messages a server sent unasked (session._message_types)."""
 
 from __future__ import annotations
 
-from pglock_celery.lock_session import _message_types
+from pglock_celery.session import _message_types
 
 
 def message(kind: bytes, body: bytes) -> bytes:
