@@ -143,6 +143,7 @@ def parse_dsn(dsn: str) -> ParsedDsn:
     return ParsedDsn(None, params, _secrets(dsn, password) if password else ())
 
 
+@functools.lru_cache(maxsize=64)
 def dsn_problem(dsn: str) -> str | None:
     """Return why ``dsn`` does not parse cleanly (never quoting it), or None."""
     return parse_dsn(dsn).problem

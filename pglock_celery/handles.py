@@ -38,6 +38,16 @@ def _green_select() -> str | None:
     return None
 
 
+def green_wait() -> Callable[..., Any] | None:
+    """psycopg's wait function for the green library in use, if any (else None)."""
+    green = _green_select()
+    if green == "gevent" and hasattr(waiting, "wait_poll"):
+        # wait_c polls in C, out of the hub's reach: it would block every green
+        # thread. gevent makes poll() cooperative, which takes descriptors past 1023.
+        return waiting.wait_poll
+    return waiting.wait_select if green else None
+
+
 class SessionConnection(psycopg.Connection[Any]):
     """A psycopg connection whose waits yield to gevent's or eventlet's hub when in use."""
 
@@ -47,13 +57,9 @@ class SessionConnection(psycopg.Connection[Any]):
         interval: float = 0.1,
         timeout: float | None = None,
     ) -> Any:
-        green = _green_select()
-        if green == "gevent" and hasattr(waiting, "wait_poll"):
-            # wait_c polls in C, out of the hub's reach: it would block every green
-            # thread. gevent makes poll() cooperative, which takes descriptors past 1023.
-            return waiting.wait_poll(gen, self.pgconn.socket, interval=interval)
-        if green:
-            return waiting.wait_select(gen, self.pgconn.socket, interval=interval)
+        green = green_wait()
+        if green is not None:
+            return green(gen, self.pgconn.socket, interval=interval)
         return super().wait(gen, interval, timeout)
 
 

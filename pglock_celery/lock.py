@@ -26,7 +26,7 @@ from .exceptions import LockLost, PglockError
 from .inspect import Holder
 from .keys import cached_lock_key, check_key, check_lock_name, check_timeout
 from .monitor import Hold, LossHandler
-from .session import application_name
+from .session import holder_name
 from .sources import registry
 
 logger = logging.getLogger("pglock_celery.lock")
@@ -71,17 +71,16 @@ class AdvisoryLock:
             self.key = check_key(name_or_key)
         self.config = config
         self.task_id = task_id
-        self.application_name = application_name(config.application_name, self.label, task_id)
+        #: The lock's name, or its key when it has none (for messages).
+        self.label = self.name if self.name is not None else f"#{self.key}"
+        self.application_name = holder_name(
+            config.application_name, self.label, task_id, os.getpid()
+        )
         self._wait = wait
         self._timeout = check_timeout(timeout)
         self._on_lost = on_lost
         self._hold: Hold | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
-
-    @property
-    def label(self) -> str:
-        """The lock's name, or its key when it has none (for messages)."""
-        return self.name if self.name is not None else f"#{self.key}"
 
     @property
     def acquired(self) -> bool:
@@ -145,7 +144,7 @@ class AdvisoryLock:
         monitor = registry.monitor
         if monitor.abandoned:
             monitor.free_abandoned()
-        source = registry.source(self.config)
+        source = registry.by_config.get(self.config) or registry.source(self.config)
         hold = Hold(
             source,
             key=self.key,

@@ -91,7 +91,8 @@ class Hold:
     def end(self) -> None:
         """The hold is over (released, or given up in a forked child)."""
         self.ended = True
-        self._signal()
+        if self._changed is not None:
+            self._changed.set()
 
     def _signal(self) -> None:
         changed = self._changed

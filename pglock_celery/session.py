@@ -32,18 +32,18 @@ import secrets
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
-from psycopg import errors, generators, pq
+from psycopg import errors, generators, pq, waiting
 from psycopg.conninfo import conninfo_to_dict
 
 from . import sql
 from .config import PglockConfig
 from .dsn import describe_target, redact
 from .exceptions import ConfigurationError, LockUnavailable
-from .handles import HandleConnection, Revoked, SessionConnection, dead_pgconn
+from .handles import HandleConnection, Revoked, SessionConnection, dead_pgconn, green_wait
 
 #: Postgres truncates application_name to NAMEDATALEN - 1 bytes.
 APPLICATION_NAME_MAX_BYTES = 63
@@ -122,13 +122,14 @@ def application_name(prefix: str, lock: str, task_id: str | None, host: str | No
     host too long for the rest is cut and ends with ``~``; the name is encoded
     by :func:`encode_name`.
     """
-    return _application_name(prefix, lock, task_id, host, os.getpid())
+    return holder_name(prefix, lock, task_id, os.getpid(), host)
 
 
 @functools.lru_cache(maxsize=1024)
-def _application_name(
-    prefix: str, lock: str, task_id: str | None, host: str | None, pid: int
+def holder_name(
+    prefix: str, lock: str, task_id: str | None, pid: int, host: str | None = None
 ) -> str:
+    """:func:`application_name` for process ``pid`` (cached: a tenant's every step)."""
     host = host if host is not None else _hostname()
     head = FIELD_SEPARATOR.join((prefix, str(pid), compact_task_id(task_id)))
     room = APPLICATION_NAME_MAX_BYTES - len(head) - 2  # two separators around the host
@@ -277,6 +278,8 @@ _PEEK_BYTES = 8192
 #: session: an ErrorResponse (FATAL: terminated, shut down) or a NoticeResponse
 #: (WARNING: a crash of another backend resets them all).
 _GOODBYES = (b"E", b"N")
+#: Seconds between wake-ups while waiting for the server (signals are handled then).
+_WAIT_INTERVAL = 0.1
 #: SQLSTATE of a prepared statement that is not there (a holder deallocated it).
 _NO_SUCH_STATEMENT = b"26000"
 
@@ -316,6 +319,9 @@ class LockSession:
         self._prepared: set[bytes] = set()
         #: Whether a holder got a handle since the session was last reset.
         self.handed_out = False
+        # How to wait for the server: psycopg's own, or one gevent or eventlet can
+        # switch out of (chosen here: green libraries patch before sessions open).
+        self._wait = green_wait() or waiting.wait
 
     def __repr__(self) -> str:
         return f"<LockSession backend {self.backend_pid} of process {self.pid}>"
@@ -357,7 +363,7 @@ class LockSession:
         (an error, or a warning when a crash resets every backend) and closes
         the socket; a cut-off peer fails the client keepalives, which errors it.
         """
-        if self.closed:
+        if self.pgconn.status == pq.ConnStatus.BAD:
             return False
         try:
             # The C socket: gevent's and eventlet's would wait for data instead.
@@ -394,19 +400,27 @@ class LockSession:
         pgconn = self.pgconn
         with self.guard:
             if name in self._prepared:
-                result = self._run(lambda: pgconn.send_query_prepared(name, params))
-                if result.error_field(pq.DiagnosticField.SQLSTATE) != _NO_SUCH_STATEMENT:
-                    return self._checked(result)
-                self._prepared.discard(name)
+                pgconn.send_query_prepared(name, params)
+                result = self._result()
+                if result.error_field(pq.DiagnosticField.SQLSTATE) == _NO_SUCH_STATEMENT:
+                    self._prepared.discard(name)
+                    pgconn.send_query_params(text, params)
+                    result = self._result()
             elif name in self._used:
-                prepared = self._run(lambda: pgconn.send_prepare(name, text))
-                if prepared.status == pq.ExecStatus.COMMAND_OK:
+                pgconn.send_prepare(name, text)
+                if self._result().status == pq.ExecStatus.COMMAND_OK:
                     self._prepared.add(name)
-                    return self._checked(
-                        self._run(lambda: pgconn.send_query_prepared(name, params))
-                    )
-            self._used.add(name)
-            return self._checked(self._run(lambda: pgconn.send_query_params(text, params)))
+                    pgconn.send_query_prepared(name, params)
+                else:
+                    pgconn.send_query_params(text, params)
+                result = self._result()
+            else:
+                self._used.add(name)
+                pgconn.send_query_params(text, params)
+                result = self._result()
+        if result.status != pq.ExecStatus.TUPLES_OK:
+            raise errors.error_from_result(result, encoding=self.conn.info.encoding)
+        return result
 
     def execute(self, text: bytes) -> None:
         """Run statements of the library that take no parameters (one or several)."""
@@ -418,10 +432,12 @@ class LockSession:
         self._prepared.clear()
         self._used.clear()
 
-    def _run(self, send: Callable[[], None]) -> pq.abc.PGresult:
-        send()
+    def _result(self) -> pq.abc.PGresult:
+        """Wait for the result of the statement just sent."""
         try:
-            results: list[pq.abc.PGresult] = self.conn.wait(generators.execute(self.pgconn))
+            results: list[pq.abc.PGresult] = self._wait(
+                generators.execute(self.pgconn), self.pgconn.socket, interval=_WAIT_INTERVAL
+            )
         except psycopg.Error:
             raise
         except BaseException:
@@ -431,11 +447,6 @@ class LockSession:
             self.close()
             raise
         return results[-1]
-
-    def _checked(self, result: pq.abc.PGresult) -> pq.abc.PGresult:
-        if result.status != pq.ExecStatus.TUPLES_OK:
-            raise errors.error_from_result(result, encoding=self.conn.info.encoding)
-        return result
 
     def close(self) -> None:
         """Close the session (its locks go with it); only in the process that opened it."""

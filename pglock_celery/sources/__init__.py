@@ -155,7 +155,8 @@ class Registry:
 
     def __init__(self) -> None:
         self.monitor = Monitor()
-        self._sources: dict[PglockConfig, Source] = {}
+        #: The sources made so far (read without a lock: a dict lookup is atomic).
+        self.by_config: dict[PglockConfig, Source] = {}
         self._mutex = threading.Lock()
         # Sockets being opened, not registered yet: a fork waits for them.
         self._opening = 0
@@ -165,22 +166,22 @@ class Registry:
 
     def source(self, config: PglockConfig) -> Source:
         """The source of ``config``'s sessions in this process (made on first use)."""
-        found = self._sources.get(config)
+        found = self.by_config.get(config)
         if found is not None:
             return found
         from .dedicated import DedicatedSource
         from .shared import SharedSource
 
         with self._mutex:
-            found = self._sources.get(config)
+            found = self.by_config.get(config)
             if found is None:
                 kind = SharedSource if config.strategy == SHARED else DedicatedSource
-                found = self._sources[config] = kind(config, self)
+                found = self.by_config[config] = kind(config, self)
             return found
 
     def sources(self) -> list[Source]:
         with self._mutex:
-            return list(self._sources.values())
+            return list(self.by_config.values())
 
     @contextlib.contextmanager
     def opening(self) -> Iterator[None]:
@@ -223,9 +224,9 @@ class Registry:
         # The parent's threads are gone; a lock one of them held would never be released.
         self._mutex = threading.Lock()
         self._fork_barrier, self._opening = threading.Condition(), 0
-        for source in self._sources.values():
+        for source in self.by_config.values():
             self._inherited += source.after_fork_in_child()
-        self._sources = {}
+        self.by_config = {}
         self.monitor.after_fork_in_child()
 
 

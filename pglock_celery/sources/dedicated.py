@@ -152,7 +152,8 @@ class DedicatedSource(Source):
     def _unlock(self, session: LockSession, hold: Hold) -> bool:
         """Unlock and wait for it; whether the session may be used again, or LockLost."""
         label = hold.label
-        session.revoke(f"lock {label} was released: this connection is closed")
+        if session.handed_out:
+            session.revoke(f"lock {label} was released: this connection is closed")
         clean = True
         key = str(hold.key).encode()
         try:
