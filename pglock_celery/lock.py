@@ -28,6 +28,7 @@ from .keys import cached_lock_key, check_key, check_lock_name, check_timeout
 from .monitor import Hold, LossHandler
 from .session import holder_name
 from .sources import registry
+from .sources.base import Source
 
 logger = logging.getLogger("pglock_celery.lock")
 
@@ -80,6 +81,8 @@ class AdvisoryLock:
         self._timeout = check_timeout(timeout)
         self._on_lost = on_lost
         self._hold: Hold | None = None
+        #: Where the session of the last acquire came from.
+        self._source: Source = registry.by_config.get(config) or registry.source(config)
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
@@ -107,7 +110,7 @@ class AdvisoryLock:
         made from it) fails once the lock is released.
         """
         hold = self._held_here("it has no connection")
-        return hold.source.connection(hold)
+        return self._source.connection(hold)
 
     @property
     def lost_reason(self) -> str | None:
@@ -144,7 +147,7 @@ class AdvisoryLock:
         monitor = registry.monitor
         if monitor.abandoned:
             monitor.free_abandoned()
-        source = registry.by_config.get(self.config) or registry.source(self.config)
+        source = self._source
         hold = Hold(
             source,
             key=self.key,
@@ -159,7 +162,7 @@ class AdvisoryLock:
         if granted:
             monitor.watch(hold)
         # Dropped without release, the lock and its session are still freed.
-        self._finalizer = weakref.finalize(self, _abandon, hold)
+        self._finalizer = weakref.finalize(self, _abandon, source, hold)
         return granted
 
     def holder(self) -> Holder | None:
@@ -170,7 +173,7 @@ class AdvisoryLock:
         None for a holder that does not name its session.
         """
         hold = self._hold
-        return hold.source.holder(hold) if hold is not None else None
+        return self._source.holder(hold) if hold is not None else None
 
     def held(self) -> bool:
         """Ask Postgres whether this session still holds the lock.
@@ -185,7 +188,7 @@ class AdvisoryLock:
         assert hold is not None and hold.session is not None
         if hold.lost is not None:
             return False
-        reason = hold.source.check(hold, wait=True)
+        reason = self._source.check(hold, wait=True)
         if reason is not None:
             hold.mark_lost(reason)
             return False
@@ -229,8 +232,8 @@ class AdvisoryLock:
             return
         with session.guard:  # no handle is given out after this
             hold.end()
-        hold.source.monitor.unwatch(hold)
-        hold.source.release(hold, clean=reusable)
+        self._source.monitor.unwatch(hold)
+        self._source.release(hold, clean=reusable)
 
     def transaction(self) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
         """Yield the lock's connection inside a transaction that commits only while held.
@@ -240,7 +243,7 @@ class AdvisoryLock:
         (other holders on it wait), and what it left on the session is reset.
         """
         hold = self._held_here("no transaction without it")
-        return hold.source.transaction(hold)
+        return self._source.transaction(hold)
 
     def __enter__(self) -> AdvisoryLock:
         self.acquire()
@@ -274,19 +277,19 @@ class AdvisoryLock:
             )
 
 
-def _abandon(hold: Hold) -> None:
+def _abandon(source: Source, hold: Hold) -> None:
     """A lock object dropped without release: have the monitor thread free its session."""
-    hold.source.monitor.abandon(lambda: _free(hold))
+    source.monitor.abandon(lambda: _free(source, hold))
 
 
-def _free(hold: Hold) -> None:
+def _free(source: Source, hold: Hold) -> None:
     session = hold.session
     if session is None or session.pid != os.getpid():
         return
     hold.end()
-    hold.source.monitor.unwatch(hold)
+    source.monitor.unwatch(hold)
     with contextlib.suppress(PglockError):
-        hold.source.release(hold, clean=False)
+        source.release(hold, clean=False)
 
 
 def _config_for(dsn: str | None) -> PglockConfig:

@@ -28,15 +28,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import psycopg
 
 from .config import PglockConfig
-
-if TYPE_CHECKING:
-    from .session import LockSession
-    from .sources import Source
+from .session import LockSession
 
 logger = logging.getLogger("pglock_celery.lock")
 
@@ -46,6 +43,16 @@ LossHandler = Callable[["Hold", str], None]
 
 def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
+
+
+class Source(Protocol):
+    """What a hold needs of its source (sources/): a check, and what to do on a loss."""
+
+    monitor: Monitor
+
+    def check(self, hold: Hold, *, wait: bool) -> str | None: ...
+
+    def lost(self, hold: Hold, reason: str) -> None: ...
 
 
 class Hold:

@@ -27,7 +27,7 @@ from ..config import PglockConfig
 from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
 from ..monitor import Hold, one_line
 from ..session import LockSession, idle_name, open_session
-from . import REUSE, Registry, Source
+from .base import REUSE, Registry, Source
 
 
 class DedicatedSource(Source):

@@ -31,7 +31,7 @@ from ..config import PglockConfig
 from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
 from ..monitor import Hold, one_line
 from ..session import LockSession, application_name, apply_settings, open_session
-from . import Registry, Source
+from .base import Registry, Source
 
 #: Longest pause between two tries of a waiting shared lock, in seconds.
 MAX_POLL = 0.5

@@ -145,7 +145,7 @@ def test_what_a_forked_child_does_with_its_parents_sessions(pg_dsn: str, run_id:
     assert held.acquire()
     cursor = held.connection.cursor()
     registry._after_fork_in_child()
-    assert registry.idle_count() == 0 and not registry.sources()
+    assert registry.idle_count() == 0 and registry.shared_count() == 0
     with pytest.raises(
         psycopg.OperationalError, match=r"^this lock connection belongs to the parent process$"
     ):
