@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
 from rich.console import Console, Group
@@ -20,7 +20,16 @@ if TYPE_CHECKING:
 
     from celery import Celery
 
-    from .run import Fleet
+    from .fleet import Process
+
+
+class Fleet(Protocol):
+    """What the view reads of the running fleet (run.Fleet)."""
+
+    replicas: list[Process]
+    kills: int
+
+    def replica_of(self, pid: int | None) -> str | None: ...
 
 MAX_TENANT_ROWS = 25
 
