@@ -1,0 +1,79 @@
+"""Which library modules and functions one warm call crosses: a sys.setprofile trace.
+
+python -m bench.trace  (PGLOCK_DSN or a local Postgres on 127.0.0.1:5432, database test)
+
+Counts the Python frames of pglock_celery only (C functions, the standard library,
+psycopg and Celery are not counted): a warm ``try_lock`` cycle, and a warm
+``TenantLockedTask`` call run in-process (no broker), each after two warm-up calls.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from celery import Celery
+
+from pglock_celery import TenantLockedTask, try_lock
+
+DEFAULT_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test"
+
+
+def library_calls(call: Callable[[], Any]) -> list[tuple[str, str]]:
+    """The (module, function) of every library frame entered while ``call`` runs."""
+    seen: list[tuple[str, str]] = []
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call":
+            module = frame.f_globals.get("__name__", "")
+            if module.startswith("pglock_celery"):
+                seen.append((module, frame.f_code.co_qualname))
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def warm_paths(dsn: str) -> dict[str, list[tuple[str, str]]]:
+    """The library calls of a warm lock cycle and of a warm task call on ``dsn``."""
+    app = Celery("pglock-trace", set_as_current=True)
+    app.conf.pglock_dsn = dsn
+
+    @app.task(base=TenantLockedTask, lock_name="trace:{tenant_id}", shared=False)
+    def step(tenant_id: int) -> int:
+        return tenant_id
+
+    def cycle() -> None:
+        with try_lock("trace:cycle") as lock:
+            assert lock.acquired
+
+    def task_call() -> None:
+        assert step(1) == 1
+
+    paths = {}
+    for name, call in (("lock cycle", cycle), ("task call", task_call)):
+        call()
+        call()
+        paths[name] = library_calls(call)
+    return paths
+
+
+def main() -> None:
+    dsn = os.environ.get("PGLOCK_DSN", DEFAULT_DSN)
+    for name, calls in warm_paths(dsn).items():
+        modules = sorted({module for module, _ in calls})
+        functions = sorted(set(calls))
+        print(f"{name}: {len(modules)} modules, {len(functions)} functions, {len(calls)} calls")
+        for module in modules:
+            names = sorted(function for mod, function in functions if mod == module)
+            print(f"  {module}: {', '.join(names)}")
+
+
+if __name__ == "__main__":
+    main()
