@@ -98,8 +98,10 @@ DECLARE
   holder integer;
 BEGIN
   IF pg_try_advisory_xact_lock_shared(key) THEN
-    -- Nobody else holds it: does this session, by hand-rolled pg_advisory_lock?
-    IF EXISTS (
+    -- Nobody else holds it: does this session, by hand-rolled pg_advisory_lock? Not
+    -- a lock session of the library's: its pglock.held names what its holder holds
+    -- (a shared session holds other holders' keys too).
+    IF coalesce(current_setting('{HELD_SETTING}', true), '') = '' AND EXISTS (
       SELECT FROM pg_catalog.pg_locks
       WHERE locktype = 'advisory' AND database = db AND objsubid = 1
         AND classid = ((key >> 32) & 4294967295)::oid AND objid = (key & 4294967295)::oid

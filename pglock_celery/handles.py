@@ -48,6 +48,31 @@ def green_wait() -> Callable[..., Any] | None:
     return waiting.wait_select if green else None
 
 
+def finish_interrupted(
+    conn: psycopg.Connection[Any], gen: Generator[Any, Any, Any], wait: Callable[..., Any]
+) -> Any:
+    """Cancel a statement whose wait was interrupted and read its end; return its results.
+
+    The session is then idle again (or in a failed transaction); when that cannot
+    be reached within bounds, its connection is closed (None). psycopg does this
+    itself for KeyboardInterrupt only.
+    """
+    if conn.pgconn.transaction_status != pq.TransactionStatus.ACTIVE:
+        return None
+    try:
+        conn.cancel_safe(timeout=CANCEL_WAIT)
+        return wait(gen, conn.pgconn.socket, interval=0.1)
+    except psycopg.errors.QueryCanceled:
+        return None
+    except BaseException:
+        conn.pgconn.finish()  # interrupted again, or the server did not stop: unknown state
+        return None
+
+
+#: Seconds a cancelled statement is given to end before its connection is closed.
+CANCEL_WAIT = 5.0
+
+
 class SessionConnection(psycopg.Connection[Any]):
     """A psycopg connection whose waits yield to gevent's or eventlet's hub when in use."""
 
@@ -58,9 +83,17 @@ class SessionConnection(psycopg.Connection[Any]):
         timeout: float | None = None,
     ) -> Any:
         green = green_wait()
-        if green is not None:
-            return green(gen, self.pgconn.socket, interval=interval)
-        return super().wait(gen, interval, timeout)
+        try:
+            if green is not None:
+                return green(gen, self.pgconn.socket, interval=interval)
+            return super().wait(gen, interval, timeout)
+        except psycopg.Error:
+            raise
+        except BaseException:
+            # A time limit (SoftTimeLimitExceeded, gevent.Timeout) cut the wait: the
+            # statement would run on and leave the session busy for everyone on it.
+            finish_interrupted(self, gen, green or waiting.wait)
+            raise
 
 
 class HandleConnection(SessionConnection):

@@ -43,7 +43,14 @@ from . import sql
 from .config import PglockConfig
 from .dsn import describe_target, redact
 from .exceptions import ConfigurationError, LockUnavailable
-from .handles import HandleConnection, Revoked, SessionConnection, dead_pgconn, green_wait
+from .handles import (
+    HandleConnection,
+    Revoked,
+    SessionConnection,
+    dead_pgconn,
+    finish_interrupted,
+    green_wait,
+)
 
 #: Postgres truncates application_name to NAMEDATALEN - 1 bytes.
 APPLICATION_NAME_MAX_BYTES = 63
@@ -435,16 +442,19 @@ class LockSession:
     def _result(self) -> pq.abc.PGresult:
         """Wait for the result of the statement just sent."""
         try:
+            generator = generators.execute(self.pgconn)
             results: list[pq.abc.PGresult] = self._wait(
-                generators.execute(self.pgconn), self.pgconn.socket, interval=_WAIT_INTERVAL
+                generator, self.pgconn.socket, interval=_WAIT_INTERVAL
             )
         except psycopg.Error:
             raise
         except BaseException:
-            # Interrupted (a time limit, gevent.Timeout) with a result nobody will
-            # read, and a lock it may or may not have taken: the session cannot be
-            # trusted again. Closed, it holds nothing.
-            self.close()
+            # Interrupted (a time limit, gevent.Timeout): the statement is cancelled
+            # and its end read, so the session serves on (its caller undoes what the
+            # statement did); one that cannot be brought back is closed.
+            finish_interrupted(self.conn, generator, self._wait)
+            if self.pgconn.transaction_status != pq.TransactionStatus.IDLE:
+                self.close()
             raise
         return results[-1]
 

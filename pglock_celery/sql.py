@@ -119,6 +119,27 @@ RESET_AFTER_TRANSACTION = (
 
 # -- any lock session ------------------------------------------------------------
 
+#: At the start of a holder's transaction (lock.transaction()): pin every key the
+#: session holds with a transaction-level lock too, so that nothing the transaction
+#: runs (pg_advisory_unlock_all(), say) can free one of them before it ends, and a
+#: PREPARE TRANSACTION fails (a transaction holding a key at both levels cannot be
+#: prepared, so no write under the lock outlives it); guarded tables see only the
+#: holder's own key meanwhile. %s the keys (int8[]), %s ",own key,".
+PIN_FOR_TRANSACTION = (
+    b"SELECT pg_catalog.set_config('pglock.held', %s, true),"
+    b" (SELECT pg_catalog.count(*) FROM (SELECT pg_catalog.pg_advisory_xact_lock(k)"
+    b" FROM pg_catalog.unnest(%s::pg_catalog.int8[]) AS k) AS pinned)"
+)
+#: Before that transaction ends: every key is held twice at session level again,
+#: whatever the transaction unlocked (the pins kept everyone else out meanwhile).
+#: %s the keys (int8[]).
+RESTORE_AFTER_TRANSACTION = (
+    b"SELECT pg_catalog.count(*) FROM (SELECT pg_catalog.pg_advisory_unlock(k),"
+    b" pg_catalog.pg_advisory_unlock(k), pg_catalog.pg_try_advisory_lock(k),"
+    b" pg_catalog.pg_try_advisory_lock(k)"
+    b" FROM pg_catalog.unnest(%s::pg_catalog.int8[]) AS k) AS restored"
+)
+
 #: Is the server a primary, and does this session still hold the key? Unlocking a
 #: held key once and taking it again never lets it go (its count is 2); a key the
 #: session no longer holds is not unlocked (false) and not taken. $1 key.

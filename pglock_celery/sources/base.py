@@ -6,12 +6,15 @@ import abc
 import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import psycopg
+from psycopg import pq
 
 from .. import sql
 from ..config import PglockConfig
+from ..exceptions import LockLost
 from ..inspect import Holder, holder_on
 from ..monitor import Hold, Monitor, one_line
 from ..session import LockSession
@@ -27,6 +30,38 @@ class Registry(Protocol):
 
 #: The strategies, as pglock_strategy names them.
 CONNECT, REUSE, SHARED = "connect", "reuse", "shared"
+
+
+@contextlib.contextmanager
+def fenced_transaction(
+    session: LockSession, handle: psycopg.Connection[Any], keys: list[int], own: int
+) -> Iterator[psycopg.Connection[Any]]:
+    """``handle`` inside a transaction that can commit only while the session holds ``keys``.
+
+    Every key of the session is pinned for the transaction's length (sql.py,
+    PIN_FOR_TRANSACTION) and held again before it ends; nested, it is a savepoint.
+    A failure of the session itself is a lost lock (LockLost, its cause chained).
+    """
+    if handle.pgconn.transaction_status != pq.TransactionStatus.IDLE:
+        with handle.transaction():
+            yield handle
+        return
+    try:
+        with handle.transaction():
+            handle.execute(sql.PIN_FOR_TRANSACTION, (f",{own},", keys))
+            try:
+                with handle.transaction():  # a savepoint: the body's work alone
+                    yield handle
+            finally:
+                if handle.pgconn.transaction_status == pq.TransactionStatus.INTRANS:
+                    handle.execute(sql.RESTORE_AFTER_TRANSACTION, (keys,))
+    except psycopg.Error as exc:
+        if session.closed or not session.alive():
+            raise LockLost(
+                f"the lock session failed inside the transaction, so its lock is lost: "
+                f"{one_line(exc)}"
+            ) from exc
+        raise
 
 
 class Source(abc.ABC):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -27,7 +26,7 @@ from ..config import PglockConfig
 from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
 from ..monitor import Hold, one_line
 from ..session import LockSession, idle_name, open_session
-from .base import REUSE, Registry, Source
+from .base import REUSE, Registry, Source, fenced_transaction
 
 
 class DedicatedSource(Source):
@@ -207,11 +206,9 @@ class DedicatedSource(Source):
                 hold.handle = session.handle()
             return hold.handle
 
-    @contextlib.contextmanager
-    def transaction(self, hold: Hold) -> Iterator[psycopg.Connection[Any]]:
-        conn = self.connection(hold)
-        with conn.transaction():
-            yield conn
+    def transaction(self, hold: Hold) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
+        assert hold.session is not None
+        return fenced_transaction(hold.session, self.connection(hold), [hold.key], hold.key)
 
     def lost(self, hold: Hold, reason: str) -> None:
         session = hold.session

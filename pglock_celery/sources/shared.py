@@ -31,7 +31,7 @@ from ..config import PglockConfig
 from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
 from ..monitor import Hold, one_line
 from ..session import LockSession, application_name, apply_settings, open_session
-from .base import Registry, Source
+from .base import Registry, Source, fenced_transaction
 
 #: Longest pause between two tries of a waiting shared lock, in seconds.
 MAX_POLL = 0.5
@@ -146,6 +146,11 @@ class SharedSource(Source):
                 f"lock {hold.label}: the shared lock session refused the lock statement: "
                 f"{one_line(exc)}"
             ) from exc
+        except BaseException:
+            # Interrupted (a time limit): the try may have taken the key. Nobody else
+            # here holds it (it is claimed), so it is let go whatever happened.
+            self._let_go(session, key)
+            raise
         got, backend_pid = result.get_value(0, 0), result.get_value(0, 1)
         if got is None or backend_pid is None or int(backend_pid) != session.backend_pid:
             self._fail(session, "the lock session is not on its own backend")
@@ -171,10 +176,18 @@ class SharedSource(Source):
                     hold.handle = None
                     session.conn.rollback()
                 key = str(hold.key).encode()
-                unlocked = session.query(*sql.UNLOCK_SHARED, (key,)).get_value(0, 0)
+                try:
+                    unlocked = session.query(*sql.UNLOCK_SHARED, (key,)).get_value(0, 0)
+                except psycopg.Error:
+                    raise
+                except BaseException:
+                    self._let_go(session, key)  # interrupted: the key must not stay held
+                    raise
         except psycopg.Error as exc:
             if session.closed or not session.alive():
                 self._fail(session, f"the lock session failed: {one_line(exc)}")
+            else:
+                self._let_go(session, str(hold.key).encode())
             self.monitor.count_loss("at_release")
             raise LockLost(
                 f"lock {label}: the shared session failed at release, so the lock was lost "
@@ -216,10 +229,12 @@ class SharedSource(Source):
             if reason is not None:
                 hold.mark_lost(reason)
                 raise LockLost(f"lock {hold.label} was lost: {reason}")
-            hold.handle = session.handle()
+            hold.handle = handle = session.handle()
+            with self._mutex:
+                keys = list(self._holds.get(session, {}))
             try:
-                with hold.handle.transaction():
-                    yield hold.handle
+                with fenced_transaction(session, handle, keys, hold.key):
+                    yield handle
             finally:
                 hold.handle = None
                 session.revoke(
@@ -240,6 +255,19 @@ class SharedSource(Source):
                 apply_settings(session.conn, self.config, session.token)
         except psycopg.Error as exc:
             self._fail(session, f"the lock session failed: {one_line(exc)}")
+
+    def _let_go(self, session: LockSession, key: bytes) -> None:
+        """Make sure the session no longer holds ``key`` (after an interrupted statement).
+
+        A session that cannot be asked fails: closed, it holds nothing.
+        """
+        if session.closed:
+            self._fail(session, "the lock session failed: a statement was interrupted")
+            return
+        try:
+            session.query(*sql.UNLOCK_SHARED, (key,))
+        except BaseException:
+            self._fail(session, "the lock session failed: a statement was interrupted")
 
     # -- losses ------------------------------------------------------------------------
 
