@@ -24,13 +24,16 @@ from celery._state import get_current_task
 from .config import PglockConfig, get_config
 from .exceptions import LockLost, PglockError
 from .inspect import Holder
-from .keys import cached_lock_key, check_key, check_lock_name, check_timeout
+from .keys import cached_lock_key, check_key, check_lock_name, check_timeout, lock_key
 from .monitor import Hold, LossHandler
-from .session import holder_name
+from .session import compose_holder_name, holder_name
 from .sources import registry
 from .sources.base import Source
 
 logger = logging.getLogger("pglock_celery.lock")
+
+#: Names longer than this many characters are not cached (their keys, their session names).
+MAX_CACHED_NAME = 256
 
 _current: ContextVar[AdvisoryLock | None] = ContextVar("pglock_current_lock", default=None)
 
@@ -66,15 +69,19 @@ class AdvisoryLock:
     ) -> None:
         if isinstance(name_or_key, str):
             self.name: str | None = check_lock_name(name_or_key)
-            self.key: int = cached_lock_key(name_or_key)
+            # What a process keeps after release is bounded in bytes: long names
+            # are not cached.
+            cached = len(name_or_key) <= MAX_CACHED_NAME
+            self.key: int = (cached_lock_key if cached else lock_key)(name_or_key)
         else:
             self.name = None
             self.key = check_key(name_or_key)
+            cached = True
         self.config = config
         self.task_id = task_id
         #: The lock's name, or its key when it has none (for messages).
         self.label = self.name if self.name is not None else f"#{self.key}"
-        self.application_name = holder_name(
+        self.application_name = (holder_name if cached else compose_holder_name)(
             config.application_name, self.label, task_id, os.getpid()
         )
         self._wait = wait

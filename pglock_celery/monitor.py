@@ -152,6 +152,8 @@ class Monitor:
     MAX_CHECKERS = 4
     #: The slowest pass, in seconds, whatever the check intervals.
     MAX_TICK = 0.5
+    #: Passes with nothing held before the scheduler sleeps until the next hold.
+    IDLE_TICKS = 20
     #: Seconds a checker thread with nothing to do waits before it ends.
     CHECKER_IDLE = 5.0
 
@@ -160,6 +162,9 @@ class Monitor:
         self._holds: dict[int, Hold] = {}
         self._due: queue.SimpleQueue[Hold] = queue.SimpleQueue()
         self._running = False
+        # Asleep: nothing to do, waiting to be notified; else it wakes every _tick.
+        self._asleep = False
+        self._tick = self.MAX_TICK
         self._checkers = 0
         self._idle_checkers = 0
         #: Locks dropped without release: freed by the scheduler thread (a finalizer
@@ -174,12 +179,19 @@ class Monitor:
             self.losses[when] += 1
 
     def watch(self, hold: Hold) -> None:
-        """Check ``hold`` once it has lasted a check interval, and every interval after."""
-        hold._next_check = hold.since + hold.config.check_interval
+        """Check ``hold`` once it has lasted a check interval, and every interval after.
+
+        The scheduler is woken only when it sleeps or must quicken its pace: most
+        holds end before their first check and cost no thread switch.
+        """
+        interval = hold.config.check_interval
+        hold._next_check = hold.since + interval
         with self._cond:
             self._holds[id(hold)] = hold
             if not self._running:
                 self._start_scheduler()
+            elif self._asleep or interval / 4 < self._tick:
+                self._cond.notify()
 
     def unwatch(self, hold: Hold) -> None:
         with self._cond:
@@ -216,20 +228,23 @@ class Monitor:
 
     def _schedule(self) -> None:
         cond = self._cond
+        idle = 0
         while True:
             with cond:
                 if cond is not self._cond:
                     return  # a forked child's copy of a thread that is not there
-                if not self._holds and not self.abandoned:
-                    self._running = False
-                    return
+                idle = 0 if self._holds or self.abandoned else idle + 1
+                if idle > self.IDLE_TICKS:
+                    self._asleep = True
+                    cond.wait_for(lambda: bool(self._holds or self.abandoned))
+                    self._asleep, idle = False, 0
                 now = time.monotonic()
                 due = [
                     hold
                     for hold in self._holds.values()
                     if hold._next_check <= now and not hold._checking
                 ]
-                tick = min(
+                self._tick = tick = min(
                     [self.MAX_TICK]
                     + [hold.config.check_interval / 4 for hold in self._holds.values()]
                 )
@@ -242,8 +257,7 @@ class Monitor:
             if due and not started and self._checkers == 0:
                 self._drain()  # no checker thread could start: check here meanwhile
             with cond:
-                if self._holds or self.abandoned:
-                    cond.wait(tick)
+                cond.wait(tick)  # a hold that needs a quicker pace wakes it
 
     def _start_checkers(self, backlog: int) -> bool:
         """Start checker threads for ``backlog`` waiting holds, within the bound."""
@@ -302,7 +316,8 @@ class Monitor:
         self._cond = threading.Condition(threading.RLock())
         self._holds = {}
         self._due = queue.SimpleQueue()
-        self._running = False
+        self._running = self._asleep = False
+        self._tick = self.MAX_TICK
         self._checkers = self._idle_checkers = 0
         self.abandoned.clear()
         self._losses_lock = threading.Lock()

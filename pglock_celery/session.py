@@ -129,14 +129,13 @@ def application_name(prefix: str, lock: str, task_id: str | None, host: str | No
     host too long for the rest is cut and ends with ``~``; the name is encoded
     by :func:`encode_name`.
     """
-    return holder_name(prefix, lock, task_id, os.getpid(), host)
+    return compose_holder_name(prefix, lock, task_id, os.getpid(), host)
 
 
-@functools.lru_cache(maxsize=1024)
-def holder_name(
+def compose_holder_name(
     prefix: str, lock: str, task_id: str | None, pid: int, host: str | None = None
 ) -> str:
-    """:func:`application_name` for process ``pid`` (cached: a tenant's every step)."""
+    """:func:`application_name` for process ``pid``."""
     host = host if host is not None else _hostname()
     head = FIELD_SEPARATOR.join((prefix, str(pid), compact_task_id(task_id)))
     room = APPLICATION_NAME_MAX_BYTES - len(head) - 2  # two separators around the host
@@ -144,6 +143,10 @@ def holder_name(
         host = host.encode()[: max(room - 1, 0)].decode(errors="ignore") + CUT_HOST_MARK
     encoded = FIELD_SEPARATOR.join((head, host, encode_name(lock))).encode()
     return encoded[:APPLICATION_NAME_MAX_BYTES].decode(errors="ignore")
+
+
+#: :func:`compose_holder_name`, cached for names met again and again (a tenant's every step).
+holder_name = functools.lru_cache(maxsize=1024)(compose_holder_name)
 
 
 def idle_name(prefix: str) -> str:
