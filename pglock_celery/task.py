@@ -318,7 +318,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
     def _checked_timeout(self) -> float | None:
         try:
             return check_timeout(self.lock_timeout)
-        except ValueError as exc:
+        except PglockError as exc:
             raise ConfigurationError(f"task {self.name}: lock_timeout: {exc}") from None
 
     def _lock_busy(
