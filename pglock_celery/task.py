@@ -13,13 +13,15 @@ import functools
 import inspect
 import logging
 import os
+import re
+import string
 import warnings
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from typing import Any, ClassVar
 
 import psycopg
-from celery import Task, signals
+from celery import Celery, Task, signals
 
 from . import sessions
 from .config import PglockConfig, get_config
@@ -60,6 +62,47 @@ def _events_flag_to_conf(conf: Any = None, options: Any = None, **_: Any) -> Non
     """
     if conf is not None and options and options.get("task_events"):
         conf.worker_send_task_events = True
+
+
+def configuration_problems(app: Celery) -> list[str]:
+    """Return what is wrong with ``app``'s pglock settings and TenantLockedTask options.
+
+    Each problem names the setting as written, or the task and its option, and
+    why; an empty list means every call can at least resolve its lock. Found
+    without any call, as a worker starts (see ``_refuse_to_start``). An absent
+    ``pglock_dsn`` is not a problem here: it fails the first lock, naming
+    where to set it.
+    """
+    problems: list[str] = []
+    try:
+        config = get_config(app)
+        if config.dsn is not None:
+            config.require_dsn()
+    except ConfigurationError as exc:
+        problems.append(str(exc))
+    for task in app.tasks.values():
+        if isinstance(task, TenantLockedTask):
+            problems.extend(task.configuration_problems())
+    return problems
+
+
+@signals.worker_init.connect
+def _refuse_to_start(sender: Any = None, **_: Any) -> None:
+    """Stop a worker whose pglock settings or task options are invalid, before its pool starts.
+
+    ``worker_init`` is sent in the worker's main process once every task module
+    is imported (autodiscovered ones too) and before the pool forks. Celery
+    logs and swallows an Exception from a signal handler, not a SystemExit:
+    the worker exits with status 1 and the reasons on stderr (logging is not
+    set up yet).
+    """
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    problems = configuration_problems(app)
+    if problems:
+        reasons = "".join(f"\n  - {problem}" for problem in problems)
+        raise SystemExit(f"pglock-celery: worker {sender.hostname} refuses to start:{reasons}")
 
 
 @signals.worker_process_shutdown.connect
@@ -307,6 +350,70 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             return None
         return {name: values[name] for name in parameters if name in values}
 
+    def configuration_problems(self) -> list[str]:
+        """Return what is wrong with this task's lock options, each naming task and option."""
+        problems: list[str] = []
+        checks: tuple[Callable[[], object], ...] = (
+            self._checked_mode,
+            self._checked_timeout,
+            self._checked_countdown,
+            self._checked_template,
+        )
+        for check in checks:
+            try:
+                check()
+            except ConfigurationError as exc:
+                problems.append(str(exc))
+        return problems
+
+    def _checked_countdown(self) -> None:
+        countdown = self.lock_retry_countdown
+        if countdown is None:
+            return
+        if (
+            isinstance(countdown, bool)
+            or not isinstance(countdown, (int, float))
+            or not (countdown > 0)
+        ):
+            raise ConfigurationError(
+                f"task {self.name}: lock_retry_countdown must be a number of seconds above 0 "
+                f"or None, not {countdown!r}"
+            )
+
+    def _checked_template(self) -> None:
+        """Refuse a lock_name that no call could resolve: a field naming an argument the
+        task cannot take (no such parameter, no ``**kwargs``), a positional field, bad syntax."""
+        spec = inspect.getattr_static(self, "lock_name")
+        if isinstance(spec, (staticmethod, classmethod)) or callable(spec):
+            return
+        if not isinstance(spec, str):
+            raise ConfigurationError(
+                f"task {self.name}: lock_name must be a str.format template or a callable, "
+                f"not {type(spec).__name__}"
+            )
+        parameters = self._run_signature.parameters.values()
+        any_name = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+        names = [p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        try:
+            fields = _template_fields(spec)
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"task {self.name}: lock_name {spec!r} is not a valid template: {exc}"
+            ) from None
+        for field in fields:
+            argument = _FIELD_ARGUMENT.match(field)
+            if argument is None or argument.group().isdigit():
+                raise ConfigurationError(
+                    f"task {self.name}: lock_name {spec!r} has a positional field "
+                    f"{{{field}}}: name the argument it stands for"
+                )
+            if not any_name and argument.group() not in names:
+                raise ConfigurationError(
+                    f"task {self.name}: lock_name {spec!r} names argument "
+                    f"{argument.group()!r}, which the task cannot take (its parameters: "
+                    f"{', '.join(names) or 'none'})"
+                )
+
     def _checked_mode(self) -> str:
         if self.lock_mode not in LOCK_MODES:
             raise ConfigurationError(
@@ -424,3 +531,21 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
                 exc,
                 extra={"task_id": task_id, **fields},
             )
+
+
+#: The argument a template field starts with: ``tenant`` in ``{tenant.id[0]!r:>8}``.
+_FIELD_ARGUMENT = re.compile(r"[^.\[]+")
+
+
+def _template_fields(template: str) -> list[str]:
+    """Return the field names of a ``str.format`` template, nested ones too.
+
+    Raises ValueError for a template ``str.format`` cannot parse.
+    """
+    fields: list[str] = []
+    for _, field, spec, _ in string.Formatter().parse(template):
+        if field is not None:
+            fields.append(field)
+        if spec:
+            fields.extend(_template_fields(spec))
+    return fields
