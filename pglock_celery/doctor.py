@@ -18,7 +18,7 @@ import psycopg
 from .config import PglockConfig
 from .connection import application_name, open_session
 from .exceptions import LockUnavailable
-from .guard import ROW_TRIGGER, guarded_tables
+from .guard import ROW_TRIGGER, guarded_tables, unguarded_children
 
 MIN_SERVER_VERSION = 140000
 #: Server keepalives slower than this (seconds) leave other sessions' locks
@@ -289,29 +289,51 @@ def check_privileges(conn: psycopg.Connection) -> Iterator[Finding]:
 
 
 def check_guards(conn: psycopg.Connection) -> Iterator[Finding]:
-    """One finding per guarded table: its lock name, and whether the guard is on."""
+    """One finding per guarded table: its lock name, and whether the whole guard is on."""
     tables = guarded_tables(conn)
     if not tables:
         yield Finding("guarded tables", "ok", "none (pglock-celery guard install TABLE --lock ...)")
     for table in tables:
+        install = f"pglock-celery guard install {table.table} --lock '{table.lock_name}'"
         if not table.enabled:
             yield Finding(
                 "guarded table",
                 "fail",
                 f"{table.table} (lock {table.lock_name}): its trigger is disabled, so writes"
                 " without the lock go through",
-                f"ALTER TABLE {table.table} ENABLE TRIGGER {ROW_TRIGGER}, or"
-                f" pglock-celery guard install {table.table} --lock '{table.lock_name}'",
+                f"ALTER TABLE {table.table} ENABLE TRIGGER {ROW_TRIGGER}, or {install}",
+            )
+        elif not table.stored_row_guarded:
+            yield Finding(
+                "guarded table",
+                "fail",
+                f"{table.table} (lock {table.lock_name}): the row as stored is not checked"
+                " (a guard from an older release, or its AFTER triggers were dropped or"
+                " disabled): a BEFORE trigger that fires after the guard can move a row to"
+                " a lock its writer does not hold",
+                install,
             )
         elif not table.truncate_guarded:
             yield Finding(
                 "guarded table",
                 "warn",
                 f"{table.table} (lock {table.lock_name}): TRUNCATE is not guarded",
-                f"pglock-celery guard install {table.table} --lock '{table.lock_name}'",
+                install,
             )
         else:
             yield Finding("guarded table", "ok", f"{table.table}: lock {table.lock_name}")
+
+
+def check_guarded_children(conn: psycopg.Connection) -> Iterator[Finding]:
+    """Inheritance children of guarded tables that their guard does not cover (a side door)."""
+    for gap in unguarded_children(conn):
+        yield Finding(
+            "guarded table child",
+            "fail",
+            f"{gap.child} inherits from the guarded {gap.parent} (lock {gap.lock_name}), but"
+            f" {gap.reason}: a write through {gap.parent} reaches its rows without the lock",
+            f"pglock-celery guard install {gap.parent} --lock '{gap.lock_name}'",
+        )
 
 
 def run_checks(dsn: str, *, lock_sessions: int = 0, locks: int = 0) -> list[Finding]:
@@ -333,6 +355,7 @@ def run_checks(dsn: str, *, lock_sessions: int = 0, locks: int = 0) -> list[Find
             lambda: check_capacity(conn, locks, prefix),
             lambda: check_privileges(conn),
             lambda: check_guards(conn),
+            lambda: check_guarded_children(conn),
         ]
         for check in checks:
             findings.extend(check())
