@@ -1,14 +1,23 @@
-"""Who holds what: advisory locks in pg_locks joined with pg_stat_activity."""
+"""Who holds what: advisory locks in pg_locks joined with pg_stat_activity.
+
+:func:`holder` is the public question "who holds this lock?"; it reads
+``pg_locks`` (any holder, hand-rolled code too), so it is never on a per-lock
+path.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import psycopg
+from celery import current_app
 
+from .config import get_config
 from .connection import (
     APPLICATION_NAME_MAX_BYTES,
     FIELD_SEPARATOR,
@@ -16,7 +25,9 @@ from .connection import (
     encode_name,
     expand_task_id,
 )
-from .keys import key_to_lock_fields, lock_fields_to_key, lock_key
+from .dsn import describe_target, redact
+from .exceptions import LockUnavailable
+from .keys import check_key, check_lock_name, key_to_lock_fields, lock_fields_to_key, lock_key
 from .lock_session import LockSession
 
 logger = logging.getLogger("pglock_celery.lock")
@@ -49,6 +60,9 @@ NAMED_HOLDER = (
     b" AND starts_with($1, tail)) ORDER BY tail = $1 DESC LIMIT 1",
 )
 ALL_HELD = _HELD_LOCKS + " ORDER BY a.backend_start, a.pid"
+
+#: The application_name of holder()'s own short session: not a lock session's.
+INSPECT_APPLICATION_NAME = "pglock-celery-inspect"
 
 
 @dataclass(frozen=True)
@@ -167,6 +181,44 @@ def named_holder(key: int, name: str, row: list[bytes | None]) -> Holder:
         state_change=text(changed),
         state=text(state),
     )
+
+
+def holder(name_or_key: str | int, *, dsn: str | None = None) -> Holder | None:
+    """Return who holds the lock ``name_or_key`` now, or None when it is free.
+
+    Any session holding its key is found, hand-rolled code's too (``pg_locks``
+    of the database). Asked by name, the holder carries that name whole (the
+    key is what is checked, never a prefix of a cut application_name); asked
+    by key, the name is what its application_name shows, if anything. Without
+    ``dsn``, the current Celery app's ``pglock_dsn``, else ``PGLOCK_DSN``, as
+    for try_lock. Opens one short plain session (never a lock session) and
+    closes it; raises LockUnavailable when the database cannot be asked.
+    """
+    if isinstance(name_or_key, str):
+        name: str | None = check_lock_name(name_or_key)
+        key = lock_key(name_or_key)
+    else:
+        name, key = None, check_key(name_or_key)
+    label = name if name is not None else f"#{key}"
+    config = get_config(current_app).with_dsn(dsn)
+    target = config.require_dsn()
+    try:
+        with psycopg.connect(
+            target,
+            autocommit=True,
+            # libpq counts whole seconds and treats anything below 2 as 2.
+            connect_timeout=max(2, math.ceil(config.connect_timeout)),
+            application_name=INSPECT_APPLICATION_NAME,
+        ) as conn:
+            found = find_holder(conn, key)
+    except psycopg.Error as exc:
+        reason = " ".join(str(exc).split())
+        raise LockUnavailable(
+            f"cannot ask {describe_target(target)} who holds lock {label}: {redact(reason, target)}"
+        ) from exc
+    if found is None or name is None:
+        return found
+    return dataclasses.replace(found, name=name, name_truncated=False)
 
 
 def list_holders(conn: psycopg.Connection) -> list[Holder]:
