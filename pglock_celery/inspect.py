@@ -88,6 +88,21 @@ class Holder:
         """Return the holder as a JSON-serialisable dict."""
         return asdict(self)
 
+    def describe(self) -> str:
+        """Say who this is in a log line, with the task id whole (as in ``as_dict()``).
+
+        ``task <id> (process <pid> on <host>, backend <pid>)`` for a task's
+        lock, ``process <pid> on <host> (backend <pid>)`` for another lock of
+        the library, ``backend <pid> (application_name '...')`` for any other
+        session.
+        """
+        if self.worker_pid is None:
+            return f"backend {self.backend_pid} (application_name {self.application_name!r})"
+        process = f"process {self.worker_pid} on {self.worker_host or 'an unknown host'}"
+        if self.task_id is None:
+            return f"{process} (backend {self.backend_pid})"
+        return f"task {self.task_id} ({process}, backend {self.backend_pid})"
+
 
 def parse_application_name(
     app_name: str, key: int, prefix: str | None = None

@@ -439,7 +439,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         name = lock.label
         holder = lock.holder() if config.report_holder else None
         holder_info = holder.as_dict() if holder is not None else None
-        shown = holder.application_name if holder is not None else "unknown"
+        shown = holder.describe() if holder is not None else "unknown"
         # Close the session before anything is published: it holds nothing.
         lock.release()
         extra = {"lock": name, "task_id": self.request.id, "holder": holder_info}

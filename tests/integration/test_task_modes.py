@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -309,20 +311,43 @@ def test_a_skip_is_logged_with_its_holder_and_the_call(
     def step(tenant: str) -> str:
         return "ran"
 
-    with try_lock(f"t:{run_id}", dsn=pg_dsn) as held, caplog.at_level("INFO"):
+    holder_task = str(uuid.uuid4())
+    held = AdvisoryLock(f"t:{run_id}", config=PglockConfig(dsn=pg_dsn), task_id=holder_task)
+    with held, caplog.at_level("INFO"):
+        assert held.acquired
         result = step.apply((run_id,))
-        shown = admin(
-            pg_dsn,
-            "SELECT application_name FROM pg_stat_activity WHERE pid = %s",
-            (held.connection.info.backend_pid,),
-        )
+        backend = held.connection.info.backend_pid
     [record] = [r for r in caplog.records if r.getMessage().endswith("skipped")]
-    holder = shown if report else "unknown"
+    # The holder's task id whole, as in the result (grep finds one in the other).
+    holder = (
+        f"task {holder_task} (process {os.getpid()} on {socket.gethostname()}, backend {backend})"
+        if report
+        else "unknown"
+    )
     assert record.getMessage() == (
         f"lock t:{run_id} is held by {holder}: task {step.name}[{result.id}] skipped"
     )
     assert (record.lock, record.task_id) == (f"t:{run_id}", result.id)  # type: ignore[attr-defined]
     assert record.holder == result.result["holder"]  # type: ignore[attr-defined]
+    if report:
+        assert result.result["holder"]["task_id"] == holder_task
+
+
+def test_a_skip_names_a_holder_without_a_task_by_its_process(
+    eager_app: Celery, pg_dsn: str, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> str:
+        return "ran"
+
+    with try_lock(f"t:{run_id}", dsn=pg_dsn) as held, caplog.at_level("INFO"):
+        step.apply((run_id,))
+        backend = held.connection.info.backend_pid
+    [record] = [r for r in caplog.records if r.getMessage().endswith("skipped")]
+    assert record.getMessage().startswith(
+        f"lock t:{run_id} is held by process {os.getpid()} on {socket.gethostname()}"
+        f" (backend {backend}): "
+    )
 
 
 # The call's own options reach the lock -----------------------------------------------------
@@ -443,14 +468,15 @@ def test_a_retry_while_held_is_logged_with_its_countdown(
     def step(tenant: str) -> str:
         return "ran"
 
-    with try_lock(f"t:{run_id}", dsn=pg_dsn) as held, caplog.at_level("INFO"):
+    holder_task = str(uuid.uuid4())
+    held = AdvisoryLock(f"t:{run_id}", config=PglockConfig(dsn=pg_dsn), task_id=holder_task)
+    with held, caplog.at_level("INFO"):
         result = step.apply((run_id,))
-        shown = admin(
-            pg_dsn,
-            "SELECT application_name FROM pg_stat_activity WHERE pid = %s",
-            (held.connection.info.backend_pid,),
-        )
+        backend = held.connection.info.backend_pid
     [record] = [r for r in caplog.records if "retries in" in r.getMessage()]
+    shown = (
+        f"task {holder_task} (process {os.getpid()} on {socket.gethostname()}, backend {backend})"
+    )
     assert record.getMessage() == (
         f"lock t:{run_id} is held by {shown}: task {step.name}[{result.id}] retries in 0.25 s"
     )
