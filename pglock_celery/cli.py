@@ -150,8 +150,15 @@ def cmd_guard_install(args: argparse.Namespace) -> int:
 
 def cmd_guard_remove(args: argparse.Namespace) -> int:
     with connect(_dsn(args)) as conn:
+        before = guarded_tables(conn)
         remove_guard(conn, args.table)
-    print(f"{args.table} is not guarded")
+        left = {t.table for t in guarded_tables(conn)}
+    removed = [t for t in before if t.table not in left]
+    if not removed:
+        print(f"{args.table} had no guard: nothing removed")
+    else:
+        tables = ", ".join(t.table for t in removed)
+        print(f"removed the guard (lock {removed[0].lock_name}) of {tables}: writes need no lock")
     return 0
 
 
