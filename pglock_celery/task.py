@@ -25,6 +25,7 @@ from celery import Celery, Task, signals
 
 from . import sessions
 from .config import PglockConfig, get_config
+from .dsn import parse_dsn
 from .exceptions import (
     ConfigurationError,
     LockLost,
@@ -111,6 +112,46 @@ def _settle_unlocks(**_: Any) -> None:
     sessions.settle_pending()
 
 
+def same_database(a: PglockConfig, b: PglockConfig) -> bool:
+    """Whether locks taken with ``a`` and with ``b`` surely live in the same database.
+
+    Advisory locks belong to one database of one server. The DSNs count as the
+    same when libpq resolves them to the same hosts, host addresses, ports,
+    service and database name (order, URI or key=value form, user, password
+    and other options aside). Anything else is doubt, and doubt takes the lock:
+    a server named by address in one DSN and by host name in the other is
+    treated as another database, so an inline call there finds the name held
+    by its own caller, and skips (``"retry"`` retries, ``"wait"`` waits until
+    its ``lock_timeout``).
+    """
+    if a.dsn == b.dsn:
+        return True
+    where_a, where_b = _database_of(a.dsn), _database_of(b.dsn)
+    return where_a is not None and where_a == where_b
+
+
+def _database_of(dsn: str | None) -> tuple[str, ...] | None:
+    """Where libpq takes ``dsn``'s locks, with its defaults (environment, user);
+    None when it cannot be told without connecting."""
+    if not dsn:
+        return None
+    parsed = parse_dsn(dsn)
+    if parsed.problem is not None:
+        return None
+    params, env = parsed.params, os.environ
+    user = params.get("user") or env.get("PGUSER") or ""
+    dbname = params.get("dbname") or env.get("PGDATABASE") or user
+    if not dbname:
+        return None  # the operating system's user name: left to libpq
+    return (
+        params.get("host") or env.get("PGHOST", ""),
+        params.get("hostaddr") or env.get("PGHOSTADDR", ""),
+        params.get("port") or env.get("PGPORT") or "5432",
+        params.get("service") or env.get("PGSERVICE", ""),
+        dbname,
+    )
+
+
 #: Options of other lock libraries (celery-once, celery-singleton) that mean nothing
 #: here: a task that sets one is warned, not silently ignored.
 FOREIGN_OPTIONS = ("once", "lock_expiry", "raise_on_duplicate", "unlock_before_run")
@@ -150,10 +191,11 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         config = get_config(self.app)
         config.require_dsn()
         outer = current_lock()
-        if outer is not None and outer.name == name:
-            # Called inline by the body that holds this very lock (apply(), a
-            # direct call): it runs under that hold. Other threads, greenlets
-            # and processes have their own context and still exclude.
+        if outer is not None and outer.name == name and same_database(outer.config, config):
+            # Called inline by the body that holds this very lock in this very
+            # database (apply(), a direct call): it runs under that hold. Other
+            # threads, greenlets and processes have their own context and still
+            # exclude; a call whose lock lives in another database takes it there.
             call_token = _this_call.set(None)
             try:
                 return super().__call__(*args, **kwargs)
