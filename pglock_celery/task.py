@@ -271,18 +271,32 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         holds the lock, or the retry would be skipped by its own lock. Only the
         lock of the call that retries is released, never a caller's.
         """
+        self._release_before_handing_on("retrying")
+        return super().retry(*args, **kwargs)
+
+    def on_replace(self, sig: Any) -> Any:
+        """Release this call's lock, then send the replacement as Celery does.
+
+        Celery publishes the replacement here (``self.replace()``): like a
+        retry, it must not find its own lock still held by this call. Only the
+        lock of the call that is replaced is released, never a caller's.
+        """
+        self._release_before_handing_on("replacing")
+        return super().on_replace(sig)
+
+    def _release_before_handing_on(self, doing: str) -> None:
         lock = _this_call.get()
         if lock is not None and lock.acquired:
             try:
                 lock.release(confirm=True)
             except LockLost as lost:
                 logger.warning(
-                    "%s (before retrying task %s)",
+                    "%s (before %s task %s)",
                     lost,
+                    doing,
                     self.name,
                     extra={"lock": lock.label, "task_id": self.request.id},
                 )
-        return super().retry(*args, **kwargs)
 
     def on_lock_skipped(
         self,
