@@ -21,6 +21,7 @@ from typing import Any
 import psycopg
 
 from . import __version__
+from .config import PglockConfig
 from .doctor import run_checks
 from .dsn import describe_target, dsn_problem, redact
 from .exceptions import PglockError
@@ -129,7 +130,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     dsn = _dsn(args)
     with connect(dsn):
         pass  # unreachable, refused, bad password: one line and exit 2
-    findings = run_checks(dsn, lock_sessions=args.lock_sessions, locks=args.locks)
+    findings = run_checks(
+        dsn, lock_sessions=args.lock_sessions, locks=args.locks, pooler=_app_config(args).pooler
+    )
     if args.json:
         print(json.dumps([f.as_dict() for f in findings], indent=2))
     else:
@@ -282,6 +285,16 @@ def _load_app(name: str) -> Any:
     except Exception as exc:  # anything the app's own import raises
         reason = f"{type(exc).__name__}: {exc}"
         raise UsageError(f"cannot load the Celery app {name!r}: {reason}") from None
+
+
+def _app_config(args: argparse.Namespace) -> PglockConfig:
+    """The app's pglock settings, or without an app those of the environment (PGLOCK_*)."""
+    from .config import get_config, load_config
+
+    if getattr(args, "loaded_app", None) is None and getattr(args, "app", None):
+        args.loaded_app = _load_app(args.app)
+    app = getattr(args, "loaded_app", None)
+    return load_config(None) if app is None else get_config(app)
 
 
 def _app_dsn(args: argparse.Namespace) -> str | None:

@@ -8,8 +8,11 @@ per-lock path does.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
@@ -19,6 +22,7 @@ from .config import PglockConfig
 from .connection import application_name, open_session
 from .exceptions import LockUnavailable
 from .guard import ROW_TRIGGER, guarded_tables, unguarded_children
+from .keys import key_to_lock_fields, lock_key
 
 MIN_SERVER_VERSION = 140000
 #: Server keepalives slower than this (seconds) leave other sessions' locks
@@ -58,9 +62,9 @@ def _over_tcp(conn: psycopg.Connection) -> bool:
     return not conn.info.host.startswith("/")
 
 
-def check_lock_session(dsn: str) -> Iterator[Finding]:
+def check_lock_session(dsn: str, pooler: str = "none") -> Iterator[Finding]:
     """Open a real lock session: the settings it asks for must hold."""
-    config = PglockConfig(dsn=dsn)
+    config = PglockConfig(dsn=dsn, pooler=pooler)
     try:
         session = open_session(config, application_name("pglock", "doctor-probe", None))
     except LockUnavailable as exc:
@@ -336,18 +340,184 @@ def check_guarded_children(conn: psycopg.Connection) -> Iterator[Finding]:
         )
 
 
-def run_checks(dsn: str, *, lock_sessions: int = 0, locks: int = 0) -> list[Finding]:
+#: How long the reset probe tries to get its server connection back from the pooler.
+RESET_PROBE_SECONDS = 10.0
+#: Client connections the reset probe holds at once while it looks for its server
+#: connection (each holds a server connection that is not the one it wants).
+RESET_PROBE_HOLD = 3
+_PROBE_SETTING = "pglock.doctor_probe"
+_PROBE_STATE = """
+SELECT pg_catalog.pg_backend_pid(), pg_catalog.current_setting(%s, true),
+       EXISTS (SELECT FROM pg_catalog.pg_locks
+               WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid()
+                 AND classid = %s::oid AND objid = %s::oid AND objsubid = 1)
+"""
+
+
+def check_pooler_reset(dsn: str, pooler: str) -> Iterator[Finding]:
+    """Behind a session pooler, find out by trying whether a server connection comes back reset.
+
+    A holder that dies leaves its client connection, not the server's: the pooler hands
+    the server connection to its next client with the dead holder's locks still on it,
+    unless its reset query (PgBouncer's ``server_reset_query = DISCARD ALL``) frees them.
+    The probe takes an advisory lock of its own and sets a session setting on one client
+    connection, disconnects, and reconnects until the pooler hands out the same server
+    backend (``pg_backend_pid()``), then looks whether either survived.
+    """
+    if pooler != "session":
+        return
+    token = uuid.uuid4().hex
+    key = lock_key(f"pglock-doctor-reset-probe:{token}")
+    classid, objid = key_to_lock_fields(key)
+    with _probe_connect(dsn) as first:
+        row = first.execute(
+            "SELECT pg_catalog.pg_backend_pid(), pg_catalog.pg_advisory_lock(%s),"
+            " pg_catalog.set_config(%s, %s, false)",
+            (key, _PROBE_SETTING, token),
+        ).fetchone()
+        assert row is not None
+        backend = int(row[0])
+    found = _same_backend_again(dsn, backend, (_PROBE_SETTING, classid, objid))
+    if found is None:
+        yield Finding(
+            "pooler reset",
+            "warn",
+            f"could not get the probe's server connection (backend {backend}) back from the"
+            f" pooler within {RESET_PROBE_SECONDS:g} s, so whether the pooler resets a server"
+            " connection before handing it to another client is unknown (a busy pool?)",
+            "make sure the pooler resets server connections: PgBouncer server_reset_query ="
+            " DISCARD ALL (its default)",
+        )
+        return
+    setting_kept, lock_kept = found[0] == token, bool(found[1])
+    if lock_kept or setting_kept:
+        kept = "its advisory lock" if lock_kept else "its session setting"
+        yield Finding(
+            "pooler reset",
+            "fail",
+            f"the pooler handed a server connection to the next client with {kept} still on"
+            " it: a holder that dies behind this pooler keeps its locks until the pooler"
+            " closes that server connection, and the next client to get it holds them",
+            "PgBouncer: server_reset_query = DISCARD ALL (its default; an empty value turns"
+            " the reset off) in pgbouncer.ini, then RELOAD; server_reset_query_always does"
+            " not matter in session pools",
+        )
+    else:
+        yield Finding(
+            "pooler reset",
+            "ok",
+            "the pooler resets a server connection (advisory locks, settings) before handing"
+            " it to the next client",
+        )
+
+
+def _probe_connect(dsn: str) -> psycopg.Connection:
+    return psycopg.connect(
+        dsn, autocommit=True, connect_timeout=5, application_name="pglock-doctor-probe"
+    )
+
+
+def _same_backend_again(
+    dsn: str, backend: int, probe: tuple[str, int, int]
+) -> tuple[object, object] | None:
+    """Connect until the pooler hands out ``backend``: (its probe setting, lock kept?).
+
+    Connections given other server backends are held a while, so that the pooler cannot
+    hand those back instead (PgBouncer reuses the last one released first); the probe's
+    lock is released when found.
+    """
+    deadline = time.monotonic() + RESET_PROBE_SECONDS
+    while time.monotonic() < deadline:
+        with contextlib.ExitStack() as held:
+            for _ in range(RESET_PROBE_HOLD):
+                conn = held.enter_context(_probe_connect(dsn))
+                row = conn.execute(_PROBE_STATE, probe).fetchone()
+                assert row is not None
+                if int(row[0]) == backend:
+                    conn.execute("SELECT pg_catalog.pg_advisory_unlock_all()")
+                    return row[1], row[2]
+    return None
+
+
+def check_replication(conn: psycopg.Connection) -> Iterator[Finding]:
+    """A server with replicas must commit synchronously, or a failover loses fenced writes.
+
+    A failover promotes a replica; a write acknowledged on the old primary but not yet
+    on the replica is gone, although it was made under its lock (G12).
+    """
+    row = conn.execute(
+        "SELECT (SELECT pg_catalog.count(*) FROM pg_catalog.pg_stat_replication),"
+        " (SELECT pg_catalog.count(*) FROM pg_catalog.pg_stat_replication"
+        "  WHERE sync_state IN ('sync', 'quorum')),"
+        " (SELECT pg_catalog.count(*) FROM pg_catalog.pg_stat_replication"
+        "  WHERE sync_state IS NOT NULL),"
+        " pg_catalog.current_setting('synchronous_standby_names'),"
+        " pg_catalog.current_setting('synchronous_commit')"
+    ).fetchone()
+    assert row is not None
+    replicas, synchronous, visible, names, commit = row
+    fix = (
+        "Patroni: synchronous_mode: true and synchronous_mode_strict: true in the cluster's"
+        " dynamic configuration (patronictl edit-config); without Patroni: ALTER SYSTEM SET"
+        " synchronous_standby_names = 'ANY 1 (*)'; SELECT pg_reload_conf();"
+    )
+    if not replicas:
+        yield Finding("replication", "ok", "no streaming replica: nothing to fail over to")
+    elif not str(names).strip():
+        yield Finding(
+            "replication",
+            "fail",
+            f"{replicas} streaming replica(s), but commits are asynchronous"
+            " (synchronous_standby_names is empty): a failover to a replica loses writes"
+            " that were acknowledged under their lock, and a deposed primary acknowledges"
+            " writes nobody else will see",
+            fix,
+        )
+    elif commit in ("off", "local"):
+        yield Finding(
+            "replication",
+            "fail",
+            f"synchronous_commit = {commit} for this role (the lock role): its commits do"
+            f" not wait for the synchronous standby ({names}), so a failover can lose them",
+            "ALTER ROLE <lock role> SET synchronous_commit = on (and no SET on the way: per"
+            " database, in the DSN's options or the application); " + fix,
+        )
+    elif visible and not synchronous:
+        yield Finding(
+            "replication",
+            "warn",
+            f"synchronous_standby_names = {names}, but none of the {replicas} replica(s) is"
+            " synchronous now: commits wait until one is",
+            "check the standbys' names (application_name in primary_conninfo) against"
+            " synchronous_standby_names",
+        )
+    else:
+        yield Finding(
+            "replication",
+            "ok",
+            f"{replicas} streaming replica(s); commits wait for a synchronous standby"
+            f" ({names}, synchronous_commit = {commit})",
+        )
+
+
+def run_checks(
+    dsn: str, *, lock_sessions: int = 0, locks: int = 0, pooler: str = "none"
+) -> list[Finding]:
     """Run every check against ``dsn`` and return the findings in order.
 
     ``lock_sessions`` and ``locks``: the most lock sessions and locks the fleet
     holds at once (0: unknown, not checked against the server's limits).
+    ``pooler``: the ``pglock_pooler`` setting ("session": ``dsn`` goes through a
+    session-mode pooler, whose reset of server connections is tried out).
     """
     prefix = PglockConfig().application_name
-    findings = list(check_lock_session(dsn))
+    findings = list(check_lock_session(dsn, pooler))
+    findings.extend(check_pooler_reset(dsn, pooler))
     with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
         checks: list[Callable[[], Iterator[Finding]]] = [
             lambda: check_version(conn),
             lambda: check_standby(conn),
+            lambda: check_replication(conn),
             lambda: check_pooler(conn, dsn),
             lambda: check_idle_timeouts(conn),
             lambda: check_keepalives(conn),
