@@ -21,7 +21,8 @@ from contextvars import ContextVar
 from typing import Any, ClassVar
 
 import psycopg
-from celery import Celery, Task, signals
+from celery import Celery, Task, signals, states
+from celery.canvas import _chain, chord, group, maybe_signature
 
 from . import sessions
 from .config import PglockConfig, get_config
@@ -535,9 +536,38 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         # The call ends SUCCESS with its skip result, and what was to follow it
         # (the rest of its chain, its link callbacks) does not run: the holder's
         # step is the one that counts. Membership of a group or chord is kept.
+        skipped = self.on_lock_skipped(name, holder_info, args, kwargs)
+        self._answer_what_follows(skipped)
         self.request.chain = None
         self.request.callbacks = None
-        return self.on_lock_skipped(name, holder_info, args, kwargs)
+        return skipped
+
+    def _answer_what_follows(self, skipped: Any) -> None:
+        """Store the skip result as the result of every call that was to follow this one.
+
+        Those calls never run, and a caller waiting on any of them (a chain's
+        ``get()`` waits on its last step) would wait forever: each ends SUCCESS
+        with this call's skip result instead, as if it had skipped too.
+        """
+        following: list[Any] = [*(self.request.chain or ()), *(self.request.callbacks or ())]
+        task_ids = dict.fromkeys(
+            task_id
+            for sig in following
+            for task_id in _frozen_ids(maybe_signature(sig, app=self.app))
+        )
+        for task_id in task_ids:
+            try:
+                self.backend.store_result(task_id, skipped, states.SUCCESS)
+            except Exception as exc:
+                logger.warning(
+                    "task %s[%s] skipped: could not store its skip result for %s, which "
+                    "was to follow it: %s",
+                    self.name,
+                    self.request.id,
+                    task_id,
+                    exc,
+                    extra={"task_id": self.request.id, "following": task_id},
+                )
 
     def _lock_lost(
         self,
@@ -605,3 +635,19 @@ def _template_fields(template: str) -> list[str]:
         if spec:
             fields.extend(_template_fields(spec))
     return fields
+
+
+def _frozen_ids(sig: Any) -> list[str]:
+    """Every task id a caller may wait on in ``sig``: its own, its members' (chains,
+    groups, a chord's header and body) and its callbacks', where already frozen."""
+    if sig is None:
+        return []
+    members: list[Any] = []
+    if isinstance(sig, chord):
+        members = [*sig.tasks, sig.body]
+    elif isinstance(sig, (_chain, group)):
+        members = list(sig.tasks)
+    members += sig.options.get("link") or []
+    ids = [task_id for member in members for task_id in _frozen_ids(maybe_signature(member))]
+    task_id = sig.options.get("task_id")
+    return [*ids, task_id] if isinstance(task_id, str) else ids

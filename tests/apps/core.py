@@ -265,3 +265,9 @@ def replace_self(
     if stage == "first":
         return self.replace(replace_self.si(tenant_id, table, "second"))
     return {**_run(table, 0), "stage": stage}
+
+
+@app.task
+def after(previous: Any, label: str = "after") -> dict[str, Any]:
+    """A chain's next step: what the step before it returned."""
+    return {label: previous}
