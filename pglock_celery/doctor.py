@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import psycopg
+from celery import current_app
 
-from .config import PglockConfig
+from .config import PglockConfig, get_config
 from .connection import application_name, open_session
-from .exceptions import LockUnavailable
+from .exceptions import ConfigurationError, LockUnavailable
 from .guard import ROW_TRIGGER, guarded_tables, unguarded_children
 from .keys import key_to_lock_fields, lock_key
 
@@ -500,6 +501,21 @@ def check_replication(conn: psycopg.Connection) -> Iterator[Finding]:
         )
 
 
+def check_settings() -> Iterator[Finding]:
+    """The pglock settings (the current Celery app's, PGLOCK_* variables) must all be valid."""
+    try:
+        get_config(current_app)
+    except ConfigurationError as exc:
+        yield Finding(
+            "settings",
+            "fail",
+            str(exc),
+            "set each setting named to one of the values given: a worker refuses to start with it",
+        )
+    else:
+        yield Finding("settings", "ok", "every pglock setting is valid")
+
+
 def run_checks(
     dsn: str, *, lock_sessions: int = 0, locks: int = 0, pooler: str = "none"
 ) -> list[Finding]:
@@ -526,6 +542,7 @@ def run_checks(
             lambda: check_privileges(conn),
             lambda: check_guards(conn),
             lambda: check_guarded_children(conn),
+            check_settings,
         ]
         for check in checks:
             findings.extend(check())
