@@ -72,14 +72,12 @@ def configuration_problems(app: Celery) -> list[str]:
     Each problem names the setting as written, or the task and its option, and
     why; an empty list means every call can at least resolve its lock. Found
     without any call, as a worker starts (see ``_refuse_to_start``). An absent
-    ``pglock_dsn`` is not a problem here: it fails the first lock, naming
-    where to set it.
+    or malformed ``pglock_dsn`` is left to the first lock, which fails closed
+    saying why (never quoting the DSN): the worker's calls report it.
     """
     problems: list[str] = []
     try:
-        config = get_config(app)
-        if config.dsn is not None:
-            config.require_dsn()
+        get_config(app)
     except ConfigurationError as exc:
         problems.append(str(exc))
     for task in app.tasks.values():

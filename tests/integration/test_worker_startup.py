@@ -115,12 +115,3 @@ def test_a_worker_refuses_to_start_with_a_bad_task_option_naming_task_and_option
         "which the task cannot take (its parameters: account_id)"
     ) in output
     assert "task misconfigured.onboard: lock_mode must be one of skip, wait, retry" in output
-
-
-def test_a_malformed_dsn_stops_the_worker_without_being_shown(start: object) -> None:
-    status, output = start(  # type: ignore[operator]
-        "tests.apps.core", PGLOCK_DSN="postgresql://u:Pw9x/7Zq@127.0.0.1:1/db"
-    )
-    assert refused(status, output), (status, output[-3000:])
-    assert "not a valid connection string" in output
-    assert "Pw9x" not in output and "7Zq" not in output

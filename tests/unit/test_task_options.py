@@ -202,10 +202,14 @@ def test_an_invalid_setting_is_found_with_the_task_problems(app: Celery) -> None
     assert problems[1].endswith("lock_mode must be one of skip, wait, retry, not 'block'")
 
 
-def test_a_malformed_dsn_is_found_without_being_shown(app: Celery) -> None:
+def test_a_malformed_dsn_is_left_to_the_first_lock_which_fails_closed(app: Celery) -> None:
     app.conf.pglock_dsn = "postgresql://u:Pw9x/7Zq@h/db"
-    [problem] = configuration_problems(app)
-    assert "not a valid connection string" in problem and "Pw9x" not in problem
+    task = make(app)
+    assert configuration_problems(app) == []
+    result = task.apply((1,))
+    assert isinstance(result.result, ConfigurationError)
+    assert "not a valid connection string" in str(result.result)
+    assert "Pw9x" not in str(result.result)
 
 
 def test_a_well_configured_app_has_no_problem(app: Celery) -> None:
