@@ -2,22 +2,27 @@
 
 ``install_guard(conn_or_dsn, "pipelines", "training:{tenant_id}")`` puts on the table:
 
-- ``zz_pglock_guard``: a BEFORE INSERT OR UPDATE OR DELETE row trigger that builds the
-  row's lock name from the template over its columns, computes its key with
-  ``pglock_key()`` and raises (SQLSTATE ``PGL01``) unless this session holds that lock.
-  An UPDATE that changes the name needs the old and the new lock. The template is the
-  trigger's argument, so ``\\d pipelines`` shows it and ``guarded_tables()`` reads it
-  back. Its name sorts after the usual trigger names: BEFORE triggers fire in name
-  order, and the guard must see the row as it will be written.
+- ``zz_pglock_guard``: a BEFORE UPDATE OR DELETE row trigger that builds the old row's
+  lock name from the template over its columns, computes its key with ``pglock_key()``
+  and raises (SQLSTATE ``PGL01``) unless this session holds that lock, before anything
+  changes. The template is the trigger's argument, so ``\\d pipelines`` shows it and
+  ``guarded_tables()`` reads it back.
 - ``zz_pglock_guard_stored_insert`` and ``zz_pglock_guard_stored_update``: AFTER row
-  triggers that check the row as it was stored, once every BEFORE trigger has run (one
-  whose name sorts after the guard's may rewrite the name's columns); the update one
-  fires only when the name's columns changed. They run at the end of the statement and
-  abort it, so a refused row is never stored.
+  triggers that check the new row's lock on the row as stored, once every BEFORE
+  trigger has run (a table's own trigger that fires after the guard's may rewrite the
+  name's columns); the update one fires only when a column of the name changed, so an
+  UPDATE that changes the name needs the old and the new lock. They are plain AFTER
+  triggers, not deferrable: they fire at the end of their statement and abort it, so a
+  refused row is never stored.
 - ``zz_pglock_guard_truncate``: a BEFORE TRUNCATE statement trigger that refuses (a
-  TRUNCATE changes every tenant's rows at once).
+  TRUNCATE changes every tenant's rows at once; cascaded TRUNCATEs fire it too).
 - its trigger function ``pglock_guard_<table>()``, generated for the table, in the
   table's schema (dropped with it).
+
+and, once per database, in schema ``public``: ``pglock_key(text)`` (equal to
+:func:`~pglock_celery.keys.lock_key` for every string), ``pglock_key_from_hex(text)``
+(its arithmetic on a digest prefix), and the shared functions of the slow path and of
+TRUNCATE. They are replaced only when their text changes.
 
 The same guard goes on every inheritance descendant of the table (``CREATE TABLE c ()
 INHERITS (t)``): a row stored in a child fires only the child's triggers, even when the
@@ -29,11 +34,6 @@ A child added later is unguarded until install_guard runs again (``doctor`` says
 Every built-in the guard calls is named with its schema (``pg_catalog.``), and its
 PL/pgSQL functions run with ``search_path = pg_catalog, pg_temp``: a role whose
 search_path holds functions or operators of the same names cannot redirect them.
-
-and, once per database, in schema ``public``: ``pglock_key(text)`` (equal to
-:func:`~pglock_celery.keys.lock_key` for every string), ``pglock_key_from_hex(text)``
-(its arithmetic on a digest prefix), and the shared functions of the slow path and of
-TRUNCATE. They are replaced only when their text changes.
 
 Who holds a lock: a session whose ``pglock.held`` setting (written by every lock
 statement of this library) lists the key, and that gets
@@ -293,7 +293,7 @@ SELECT t.tgfoid, t.tgtype, t.tgenabled, t.tgargs
 FROM pg_catalog.pg_trigger t WHERE t.tgrelid = %s AND t.tgname = %s
 """
 # pg_trigger.tgtype bits: ROW 1, BEFORE 2, INSERT 4, DELETE 8, UPDATE 16, TRUNCATE 32.
-_ROW_TYPE = 1 | 2 | 4 | 8 | 16
+_ROW_TYPE = 1 | 2 | 8 | 16
 _STORED_INSERT_TYPE = 1 | 4
 _STORED_UPDATE_TYPE = 1 | 16
 _TRUNCATE_TYPE = 2 | 32
@@ -386,9 +386,9 @@ def name_expression(parts: list[tuple[str, str | None]], row: str) -> sql.Compos
 def trigger_function_body(parts: list[tuple[str, str | None]]) -> sql.Composable:
     """The PL/pgSQL body of a table's row trigger function (BEFORE and AFTER).
 
-    BEFORE: the old row's lock (UPDATE, DELETE) and the new row's (INSERT, and an UPDATE
-    that changes the name), before anything is written. AFTER (INSERT, and an UPDATE
-    whose name's columns changed): the row as stored, once every BEFORE trigger ran.
+    BEFORE UPDATE or DELETE: the old row's lock, before anything changes. AFTER INSERT,
+    and AFTER an UPDATE whose name's columns changed: the new row's lock, judged on the
+    row as stored, once every BEFORE trigger (ours sorts first or last) has run.
     """
     check = sql.SQL(
         "key := public.pglock_key({name});\n"
@@ -411,24 +411,20 @@ BEGIN
     RETURN NEW;
   END IF;
   held := coalesce(pg_catalog.current_setting({held_setting}, true), '');
-  IF TG_WHEN = 'AFTER' THEN
-    IF TG_OP = 'UPDATE' THEN old_name := {old}; END IF;
-    new_name := {new};
-    IF new_name IS DISTINCT FROM old_name THEN
-      {check_new}
-    END IF;
-    RETURN NULL;
-  END IF;
   IF TG_OP <> 'INSERT' THEN
     old_name := {old};
+  END IF;
+  IF TG_WHEN = 'BEFORE' THEN  -- UPDATE, DELETE: the row as it is stored now
     {check_old}
     IF TG_OP = 'DELETE' THEN RETURN OLD; END IF;
+    RETURN NEW;
   END IF;
+  -- AFTER INSERT, UPDATE: the row as it was stored, once every BEFORE trigger ran.
   new_name := {new};
   IF new_name IS DISTINCT FROM old_name THEN
     {check_new}
   END IF;
-  RETURN NEW;
+  RETURN NULL;
 END
 """
     ).format(
@@ -740,7 +736,7 @@ def _guard_table(
     target = sql.Identifier(schema, name)
     args = lock_name.encode() + b"\0"
     row_triggers = [
-        (ROW_TRIGGER, _ROW_TYPE, sql.SQL("BEFORE INSERT OR UPDATE OR DELETE"), sql.SQL("")),
+        (ROW_TRIGGER, _ROW_TYPE, sql.SQL("BEFORE UPDATE OR DELETE"), sql.SQL("")),
         (STORED_INSERT_TRIGGER, _STORED_INSERT_TYPE, sql.SQL("AFTER INSERT"), sql.SQL("")),
         (
             STORED_UPDATE_TRIGGER,
