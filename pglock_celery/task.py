@@ -111,7 +111,7 @@ def _settle_unlocks(**_: Any) -> None:
     sessions.settle_pending()
 
 
-def same_database(a: PglockConfig, b: PglockConfig) -> bool:
+def _same_database(a: PglockConfig, b: PglockConfig) -> bool:
     """Whether locks taken with ``a`` and with ``b`` surely live in the same database.
 
     Advisory locks belong to one database of one server. The DSNs count as the
@@ -190,7 +190,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         config = get_config(self.app)
         config.require_dsn()
         outer = current_lock()
-        if outer is not None and outer.name == name and same_database(outer.config, config):
+        if outer is not None and outer.name == name and _same_database(outer.config, config):
             # Called inline by the body that holds this very lock in this very
             # database (apply(), a direct call): it runs under that hold. Other
             # threads, greenlets and processes have their own context and still
