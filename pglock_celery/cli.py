@@ -25,7 +25,13 @@ from .config import PglockConfig
 from .doctor import run_checks
 from .dsn import describe_target, dsn_problem, redact
 from .exceptions import PglockError
-from .guard import GuardedTable, guarded_tables, install_guard, remove_guard
+from .guard import (
+    GuardedTable,
+    guarded_tables,
+    inheritance_children,
+    install_guard,
+    remove_guard,
+)
 from .inspect import Holder, list_holders
 from .keys import lock_key
 
@@ -147,7 +153,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_guard_install(args: argparse.Namespace) -> int:
     with connect(_dsn(args)) as conn:
         install_guard(conn, args.table, args.lock)
+        children = inheritance_children(conn, args.table)
     print(f"guarded {args.table}: a write to a row needs the lock {args.lock}")
+    if children:
+        print(f"and its inheritance children, with the same lock: {', '.join(children)}")
     return 0
 
 

@@ -856,6 +856,13 @@ def _guarded_rows(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
     ).fetchall()
 
 
+def inheritance_children(conn: psycopg.Connection, table: str) -> list[str]:
+    """``schema.table`` of each inheritance descendant of ``table`` (not its partitions)."""
+    with conn.transaction():
+        oid, _, _ = _resolve_table(conn, table)
+        return [f"{schema}.{name}" for _, schema, name, _ in _descendants(conn, oid)]
+
+
 def unguarded_children(conn: psycopg.Connection) -> list[UnguardedChild]:
     """Inheritance descendants of guarded tables whose rows their guard does not cover.
 

@@ -100,11 +100,17 @@ def test_doctor_lists_guarded_tables_and_fails_on_a_disabled_guard(pg_dsn: str, 
     assert done.returncode == 1 and table in done.stdout
 
 
-def test_remove_names_the_inheritance_children_it_unguarded_too(pg_dsn: str, table: str) -> None:
+def test_install_and_remove_name_the_inheritance_children_they_cover(
+    pg_dsn: str, table: str
+) -> None:
     child = f"{table}_child"
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(f"CREATE TABLE {child} () INHERITS ({table})")
-    assert cli("guard", "install", table, "--lock", "jobs:{tenant_id}", dsn=pg_dsn).returncode == 0
+    done = cli("guard", "install", table, "--lock", "jobs:{tenant_id}", dsn=pg_dsn)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[1] == (
+        f"and its inheritance children, with the same lock: {child}"
+    )
     assert listed(pg_dsn)[child]["lock_name"] == "jobs:{tenant_id}"
     removed = cli("guard", "remove", table, dsn=pg_dsn)
     assert removed.returncode == 0, removed.stderr

@@ -188,3 +188,42 @@ def test_a_guard_without_its_stored_row_check_is_reported_and_repaired_by_instal
     install_guard(admin, table, TEMPLATE)
     (shown,) = [t for t in guarded_tables(admin) if t.table == table]
     assert shown.stored_row_guarded
+
+
+def test_a_row_a_later_trigger_moves_into_the_writers_lock_is_judged_as_stored(
+    admin: psycopg.Connection, table: str, pg_dsn: str
+) -> None:
+    """Judged as stored, both ways: the name the row is stored under is the one that counts."""
+    admin.execute(
+        f"CREATE FUNCTION {table}_to_a() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$BEGIN NEW.tenant_id := 'a'; RETURN NEW; END$$"
+    )
+    admin.execute(
+        f"CREATE TRIGGER zzz_to_a BEFORE INSERT ON {table}"
+        f" FOR EACH ROW EXECUTE FUNCTION {table}_to_a()"
+    )
+    with try_lock("stored:a", dsn=pg_dsn) as lock:
+        lock.connection.execute(f"INSERT INTO {table} VALUES (3, 'elsewhere', 0)")
+    assert rows(admin, table)[-1] == (3, "a", 0)
+
+
+def test_an_update_moving_a_row_to_another_partition_needs_both_locks(
+    admin: psycopg.Connection, plain: psycopg.Connection, schema: str, pg_dsn: str
+) -> None:
+    """Postgres runs it as a DELETE from one partition and an INSERT into another."""
+    parent = f"{schema}.parted"
+    admin.execute(f"CREATE TABLE {parent} (tenant_id text, n int) PARTITION BY LIST (tenant_id)")
+    admin.execute(f"CREATE TABLE {parent}_a PARTITION OF {parent} FOR VALUES IN ('a')")
+    admin.execute(f"CREATE TABLE {parent}_b PARTITION OF {parent} FOR VALUES IN ('b')")
+    admin.execute(f"INSERT INTO {parent} VALUES ('a', 0)")
+    install_guard(admin, parent, TEMPLATE)
+    move = f"UPDATE {parent} SET tenant_id = 'b'"
+    refused(plain, move)
+    for held in ("a", "b"):
+        with try_lock(f"stored:{held}", dsn=pg_dsn) as lock:
+            refused(lock.connection, move)
+    with try_lock("stored:a", dsn=pg_dsn) as lock, lock.connection.transaction():
+        lock.connection.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key("stored:b"),))
+        lock.connection.execute(move)
+    found = admin.execute(f"SELECT tableoid::regclass::text, tenant_id FROM {parent}").fetchall()
+    assert found == [(f"{parent}_b", "b")]
