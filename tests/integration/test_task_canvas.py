@@ -6,20 +6,49 @@ call publishes is picked up at once by another process.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
-from celery import chain, chord
+import pytest
+from celery import Celery, chain, chord
 
 from pglock_celery import lock_key
 from tests.apps import core
 from tests.helpers.workers import Worker
 
 
+@pytest.fixture(params=["reuse", "connect", "shared"])
+def strategy_queue(
+    request: pytest.FixtureRequest,
+    workers: list[Worker],
+    app: Celery,
+    worker_env: dict[str, str],
+    log_dir: Path,
+    queue: str,
+) -> Iterator[str]:
+    """The queue of two workers (two processes each) locking with the given strategy."""
+    strategy = str(request.param)
+    if strategy == "reuse":  # the session's workers: the default strategy
+        yield queue
+        return
+    own = f"{queue}-{strategy}"
+    env = {**worker_env, "PGLOCK_STRATEGY": strategy, "PGLOCK_TEST_QUEUE": own}
+    started: list[Worker] = []
+    try:
+        for _ in range(2):
+            started.append(Worker(app, "tests.apps.core", env, log_dir, concurrency=2))
+        yield own
+    finally:
+        for worker in started:
+            worker.stop()
+
+
 def test_a_replacement_runs_because_the_lock_is_released_before_it_is_sent(
-    workers: list[Worker], history: str, run_id: str
+    strategy_queue: str, history: str, run_id: str
 ) -> None:
-    result = core.replace_self.delay(f"replace-{run_id}", history)
+    result = core.replace_self.apply_async((f"replace-{run_id}", history), queue=strategy_queue)
     answer: Any = result.get(timeout=60)
     assert answer.get("stage") == "second", answer  # not {"skipped": True, ...}
     assert answer["ran"] is True
