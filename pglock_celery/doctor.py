@@ -267,7 +267,9 @@ def check_capacity(conn: psycopg.Connection, locks: int, prefix: str) -> Iterato
 
 def check_privileges(conn: psycopg.Connection) -> Iterator[Finding]:
     can_lock = _one(
-        conn, "SELECT has_function_privilege('pg_try_advisory_lock(bigint)', 'EXECUTE')"
+        conn,
+        "SELECT pg_catalog.has_function_privilege("
+        "'pg_catalog.pg_try_advisory_lock(bigint)', 'EXECUTE')",
     )
     if not can_lock:
         yield Finding(
@@ -339,6 +341,69 @@ def check_guarded_children(conn: psycopg.Connection) -> Iterator[Finding]:
             f" {gap.reason}: a write through {gap.parent} reaches its rows without the lock",
             f"pglock-celery guard install {gap.parent} --lock '{gap.lock_name}'",
         )
+
+
+#: Built-ins that pglock's statements and the guard call, by name.
+SHADOWABLE = (
+    "pg_advisory_lock",
+    "pg_advisory_unlock",
+    "pg_advisory_unlock_all",
+    "pg_advisory_xact_lock",
+    "pg_try_advisory_lock",
+    "pg_try_advisory_xact_lock_shared",
+    "pg_backend_pid",
+    "pg_is_in_recovery",
+    "current_setting",
+    "set_config",
+    "current_database",
+    "strpos",
+    "lower",
+    "left",
+    "md5",
+    "convert_to",
+    "format",
+)
+# Functions and operators in a schema that the role's search_path puts before
+# pg_catalog, named like a built-in: an unqualified call may resolve to them.
+_SHADOWS = """
+WITH path AS (
+  SELECT s.name, s.position FROM pg_catalog.unnest(pg_catalog.current_schemas(true))
+  WITH ORDINALITY AS s (name, position)
+), early AS (
+  SELECT n.oid, n.nspname FROM pg_catalog.pg_namespace n JOIN path ON path.name = n.nspname
+  WHERE path.position < (SELECT position FROM path WHERE name = 'pg_catalog')
+)
+SELECT early.nspname || '.' || p.proname || '('
+       || pg_catalog.pg_get_function_identity_arguments(p.oid) || ')'
+FROM pg_catalog.pg_proc p JOIN early ON early.oid = p.pronamespace
+WHERE p.proname = ANY (%s)
+UNION ALL
+SELECT early.nspname || '.' || o.oprname || ' (operator)'
+FROM pg_catalog.pg_operator o JOIN early ON early.oid = o.oprnamespace
+ORDER BY 1
+"""
+
+
+def check_search_path(conn: psycopg.Connection) -> Iterator[Finding]:
+    """No function or operator on the role's search_path may stand in for a built-in.
+
+    ``pg_catalog`` is searched first unless the search_path names it later: a schema
+    before it that holds e.g. ``pg_try_advisory_lock(bigint)`` or an ``=`` operator
+    redirects any SQL that calls them by their bare names (hand-rolled lock code too).
+    """
+    shadows = [str(name) for (name,) in conn.execute(_SHADOWS, (list(SHADOWABLE),)).fetchall()]
+    path = _show(conn, "search_path")
+    if shadows:
+        yield Finding(
+            "search_path",
+            "fail",
+            f"search_path = {path} puts schemas before pg_catalog that hold "
+            f"{', '.join(shadows)}: SQL calling the built-ins by their bare names runs these",
+            "ALTER ROLE <lock role> SET search_path = pg_catalog, public (pg_catalog first), "
+            "or drop the impostors",
+        )
+    else:
+        yield Finding("search_path", "ok", "nothing on the search_path shadows a built-in")
 
 
 #: How long the reset probe tries to get its server connection back from the pooler.
@@ -540,6 +605,7 @@ def run_checks(
             lambda: check_connections(conn, lock_sessions),
             lambda: check_capacity(conn, locks, prefix),
             lambda: check_privileges(conn),
+            lambda: check_search_path(conn),
             lambda: check_guards(conn),
             lambda: check_guarded_children(conn),
             check_settings,

@@ -17,6 +17,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from pglock_celery import install_guard, lock_key
+from pglock_celery.doctor import run_checks
 from pglock_celery.guard import GUARD_SQLSTATE
 
 TEMPLATE = "sp:{tenant_id}"
@@ -144,3 +145,19 @@ def test_the_guards_functions_run_with_a_pinned_search_path(
     assert len(found) >= 3, found  # the table's trigger function, the check, TRUNCATE
     for name, config in found:
         assert config == ["search_path=pg_catalog, pg_temp"], name
+
+
+def test_the_doctor_fails_on_a_search_path_that_shadows_a_builtin(
+    hostile: psycopg.Connection, pg_dsn: str
+) -> None:
+    row = hostile.execute("SELECT current_user, (current_schemas(false))[1]").fetchone()
+    assert row is not None
+    role, evil = row
+    (finding,) = [
+        f for f in run_checks(make_conninfo(pg_dsn, user=role)) if f.check == "search_path"
+    ]
+    assert finding.level == "fail", finding
+    assert f"{evil}." in finding.message
+    assert "pg_catalog first" in finding.fix
+    (plain,) = [f for f in run_checks(pg_dsn) if f.check == "search_path"]
+    assert plain.level == "ok", plain
