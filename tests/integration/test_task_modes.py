@@ -550,9 +550,12 @@ def other_database(pg_server: str, pg_dsn: str) -> Iterator[str]:
         yield dsn
 
 
-def app_on(dsn: str) -> Celery:
+STRATEGIES = ["reuse", "connect", "shared"]
+
+
+def app_on(dsn: str, strategy: str) -> Celery:
     app = Celery("elsewhere", set_as_current=False, broker="memory://", backend="cache+memory://")
-    app.conf.update(pglock_dsn=dsn, task_store_eager_result=True)
+    app.conf.update(pglock_dsn=dsn, pglock_strategy=strategy, task_store_eager_result=True)
     return app
 
 
@@ -570,12 +573,13 @@ def key_holders(dsn: str, name: str) -> int:
     )
 
 
-def nested_pair(outer_app: Celery, inner_dsn: str) -> tuple[Any, Any]:
-    """A task on ``outer_app`` calling inline a task of an app on ``inner_dsn``, same lock name."""
-
+def nested_pair(outer_app: Celery, inner_dsn: str, strategy: str) -> tuple[Any, Any]:
+    """A task on ``outer_app`` calling inline a task of an app on ``inner_dsn``, same lock
+    name, both locking with ``strategy``."""
     tag = uuid.uuid4().hex[:8]
+    outer_app.conf.pglock_strategy = strategy
 
-    @app_on(inner_dsn).task(
+    @app_on(inner_dsn, strategy).task(
         base=TenantLockedTask, lock_name="t:{tenant}", shared=False, name=f"inner-{tag}"
     )
     def inner(tenant: str) -> Any:
@@ -595,18 +599,20 @@ def nested_pair(outer_app: Celery, inner_dsn: str) -> tuple[Any, Any]:
     return inner, outer
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_an_inline_call_of_a_task_of_another_database_takes_its_lock_there(
-    eager_app: Celery, pg_dsn: str, other_database: str, run_id: str
+    eager_app: Celery, pg_dsn: str, other_database: str, run_id: str, strategy: str
 ) -> None:
-    _, outer = nested_pair(eager_app, other_database)
+    _, outer = nested_pair(eager_app, other_database, strategy)
     assert outer.apply((run_id,)).get() == {"holders_here": 1, "under_caller": False}
     assert key_holders(other_database, f"t:{run_id}") == 0  # and released it
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_an_inline_call_of_a_task_of_another_database_skips_when_held_there(
-    eager_app: Celery, pg_dsn: str, other_database: str, run_id: str
+    eager_app: Celery, pg_dsn: str, other_database: str, run_id: str, strategy: str
 ) -> None:
-    _, outer = nested_pair(eager_app, other_database)
+    _, outer = nested_pair(eager_app, other_database, strategy)
     other = held_elsewhere(other_database, f"t:{run_id}")
     try:
         answer = outer.apply((run_id,)).get()
@@ -615,8 +621,9 @@ def test_an_inline_call_of_a_task_of_another_database_skips_when_held_there(
     assert answer["skipped"] is True and answer["lock"] == f"t:{run_id}"
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_an_inline_call_whose_dsn_spells_the_same_database_otherwise_runs_under_its_caller(
-    eager_app: Celery, pg_dsn: str, run_id: str
+    eager_app: Celery, pg_dsn: str, run_id: str, strategy: str
 ) -> None:
     """Parameters in another order, as a URI, with other options: libpq's same target."""
     params = conninfo_to_dict(pg_dsn)
@@ -627,20 +634,22 @@ def test_an_inline_call_whose_dsn_spells_the_same_database_otherwise_runs_under_
     if "password" in params:
         uri += f"&password={params['password']}"
     for spelling in (uri, make_conninfo("", **dict(reversed(list(params.items()))))):
-        _, outer = nested_pair(eager_app, spelling)
+        _, outer = nested_pair(eager_app, spelling, strategy)
         assert outer.apply((run_id,)).get() == {"holders_here": 1, "under_caller": True}
 
 
+@pytest.mark.parametrize("strategy", ["reuse", "connect"])
 def test_an_inline_call_in_doubt_about_its_database_takes_the_lock_and_finds_its_caller(
-    eager_app: Celery, pg_dsn: str, run_id: str
+    eager_app: Celery, pg_dsn: str, run_id: str, strategy: str
 ) -> None:
     """The same server named by address instead of host name cannot be told apart without
-    asking it: the call takes the lock, sees its caller holding it, and skips."""
+    asking it: the call takes the lock, sees its caller holding it, and skips. (Not under
+    shared: its skip names no holder, and its caller has no connection to compare.)"""
     params = conninfo_to_dict(pg_dsn)
     host = str(params.pop("host", ""))
     assert host and not host.startswith("/"), f"the test needs Postgres over TCP, not {host!r}"
     doubtful = make_conninfo("", **params, hostaddr=socket.gethostbyname(host))
-    _, outer = nested_pair(eager_app, doubtful)
+    _, outer = nested_pair(eager_app, doubtful, strategy)
 
     @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
     def caller(tenant: str) -> tuple[Any, int]:
