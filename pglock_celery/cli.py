@@ -177,6 +177,8 @@ def cmd_guard_remove(args: argparse.Namespace) -> int:
 def _guard_state(table: GuardedTable) -> str:
     if not table.enabled:
         return "DISABLED (writes are not checked)"
+    if not table.stored_row_guarded:
+        return "INCOMPLETE (the row as stored is not checked: install again)"
     return "on" if table.truncate_guarded else "on (TRUNCATE not guarded)"
 
 

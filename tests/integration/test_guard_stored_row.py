@@ -17,6 +17,7 @@ from psycopg import sql
 from pglock_celery import install_guard, lock_key, try_lock
 from pglock_celery.doctor import run_checks
 from pglock_celery.guard import GUARD_SQLSTATE, guarded_tables
+from tests.integration.test_cli import cli
 
 TEMPLATE = "stored:{tenant_id}"
 
@@ -182,6 +183,8 @@ def test_a_guard_without_its_stored_row_check_is_reported_and_repaired_by_instal
         admin.execute(sql.SQL("DROP TRIGGER {} ON {}").format(sql.Identifier(name), sql.SQL(table)))
     (shown,) = [t for t in guarded_tables(admin) if t.table == table]
     assert not shown.stored_row_guarded
+    listed = cli("guard", "list", dsn=pg_dsn).stdout
+    assert "INCOMPLETE (the row as stored is not checked: install again)" in listed
     mine = [f for f in run_checks(pg_dsn) if f.check == "guarded table" and table in f.message]
     assert [f.level for f in mine] == ["fail"]
     assert "pglock-celery guard install" in mine[0].fix
