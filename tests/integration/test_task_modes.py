@@ -660,3 +660,22 @@ def test_an_inline_call_in_doubt_about_its_database_takes_the_lock_and_finds_its
     answer, backend = caller.apply((run_id,)).get()
     assert answer["skipped"] is True
     assert answer["holder"]["backend_pid"] == backend
+
+
+def test_a_skip_answers_a_frozen_callback_that_will_not_run(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    @eager_app.task(shared=False)
+    def follow(label: str) -> str:
+        return label
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> str:
+        return "ran"
+
+    callback = follow.si("after")
+    callback.freeze()
+    with try_lock(f"t:{run_id}", dsn=pg_dsn):
+        skipped = step.apply((run_id,), link=callback).result
+    assert skipped["skipped"] is True
+    assert eager_app.AsyncResult(callback.id).get(timeout=5) == skipped
