@@ -11,17 +11,26 @@ OLDEST_STAMP := $(OLDEST)/.installed-stamp
 # (the doctor's pooler test), Chromium and its driver (Flower in a real browser).
 APT_PACKAGES := pgbouncer chromium chromium-driver
 
-.PHONY: run test lint unit integration chaos matrix soak bench mutate clean
+.PHONY: run test lint unit integration chaos matrix soak bench mutate clean docs
 
-$(STAMP): pyproject.toml
+# `make run` needs only the demo's packages (RUN_STAMP: no test tools, no apt packages);
+# the tests need everything (STAMP).
+RUN_STAMP := $(VENV)/.run-stamp
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+
+$(RUN_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[redis,binary,run]'
+	touch $(RUN_STAMP)
+
+$(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[redis,binary,run,test]'
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	[ -z "$$missing" ] || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
 		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) \
 		|| echo "could not install $$missing: the tests that need them will fail"
-	touch $(STAMP)
+	touch $(STAMP) $(RUN_STAMP)
 
 $(OLDEST_STAMP): pyproject.toml .ci/oldest.txt
 	$(PYTHON) -m venv $(OLDEST)
@@ -31,7 +40,8 @@ $(OLDEST_STAMP): pyproject.toml .ci/oldest.txt
 	touch $(OLDEST_STAMP)
 
 # Options: make run ARGS="--tenants 20 --replicas 3 --duration 60 --fast --chaos"
-run: $(STAMP)
+# It works in a Postgres database (pglock_demo) and a Redis database of its own.
+run: $(RUN_STAMP)
 	$(PY) -m tasks.run $(ARGS)
 
 lint: $(STAMP)
@@ -87,6 +97,12 @@ soak: $(STAMP)
 # that run in-process; prints the score and each survivor (not in CI; an hour or more).
 mutate: $(STAMP)
 	$(PY) -m tests.mutation.score $(ARGS)
+
+# The documentation site (MkDocs, strict: a broken link or reference fails the build),
+# into SITE_DIR (site/ by default).
+SITE_DIR ?= site
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir '$(SITE_DIR)'
 
 clean:
 	rm -rf $(VENV) $(OLDEST) .pytest_cache .mypy_cache .ruff_cache

@@ -11,6 +11,7 @@ from .exceptions import (
     PglockError,
 )
 from .guard import install_guard, remove_guard
+from .inspect import holder
 from .keys import lock_key
 from .lock import AdvisoryLock, current_lock, try_lock, wait_lock
 from .task import LOCK_LOST_EVENT, LOCK_SKIPPED_EVENT, TenantLockedTask
@@ -29,6 +30,7 @@ __all__ = [
     "PglockError",
     "TenantLockedTask",
     "current_lock",
+    "holder",
     "install_guard",
     "lock_key",
     "remove_guard",

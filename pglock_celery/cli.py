@@ -21,10 +21,17 @@ from typing import Any
 import psycopg
 
 from . import __version__
+from .config import PglockConfig
 from .doctor import run_checks
 from .dsn import describe_target, dsn_problem, redact
 from .exceptions import PglockError
-from .guard import GuardedTable, guarded_tables, install_guard, remove_guard
+from .guard import (
+    GuardedTable,
+    guarded_tables,
+    inheritance_children,
+    install_guard,
+    remove_guard,
+)
 from .inspect import Holder, list_holders
 from .keys import lock_key
 
@@ -129,7 +136,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     dsn = _dsn(args)
     with connect(dsn):
         pass  # unreachable, refused, bad password: one line and exit 2
-    findings = run_checks(dsn, lock_sessions=args.lock_sessions, locks=args.locks)
+    findings = run_checks(
+        dsn, lock_sessions=args.lock_sessions, locks=args.locks, pooler=_app_config(args).pooler
+    )
     if args.json:
         print(json.dumps([f.as_dict() for f in findings], indent=2))
     else:
@@ -144,20 +153,32 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_guard_install(args: argparse.Namespace) -> int:
     with connect(_dsn(args)) as conn:
         install_guard(conn, args.table, args.lock)
+        children = inheritance_children(conn, args.table)
     print(f"guarded {args.table}: a write to a row needs the lock {args.lock}")
+    if children:
+        print(f"and its inheritance children, with the same lock: {', '.join(children)}")
     return 0
 
 
 def cmd_guard_remove(args: argparse.Namespace) -> int:
     with connect(_dsn(args)) as conn:
+        before = guarded_tables(conn)
         remove_guard(conn, args.table)
-    print(f"{args.table} is not guarded")
+        left = {t.table for t in guarded_tables(conn)}
+    removed = [t for t in before if t.table not in left]
+    if not removed:
+        print(f"{args.table} had no guard: nothing removed")
+    else:
+        tables = ", ".join(t.table for t in removed)
+        print(f"removed the guard (lock {removed[0].lock_name}) of {tables}: writes need no lock")
     return 0
 
 
 def _guard_state(table: GuardedTable) -> str:
     if not table.enabled:
         return "DISABLED (writes are not checked)"
+    if not table.stored_row_guarded:
+        return "INCOMPLETE (the row as stored is not checked: install again)"
     return "on" if table.truncate_guarded else "on (TRUNCATE not guarded)"
 
 
@@ -275,6 +296,16 @@ def _load_app(name: str) -> Any:
     except Exception as exc:  # anything the app's own import raises
         reason = f"{type(exc).__name__}: {exc}"
         raise UsageError(f"cannot load the Celery app {name!r}: {reason}") from None
+
+
+def _app_config(args: argparse.Namespace) -> PglockConfig:
+    """The app's pglock settings, or without an app those of the environment (PGLOCK_*)."""
+    from .config import get_config, load_config
+
+    if getattr(args, "loaded_app", None) is None and getattr(args, "app", None):
+        args.loaded_app = _load_app(args.app)
+    app = getattr(args, "loaded_app", None)
+    return load_config(None) if app is None else get_config(app)
 
 
 def _app_dsn(args: argparse.Namespace) -> str | None:

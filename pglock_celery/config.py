@@ -3,9 +3,10 @@
 Each setting is looked up as the lowercase ``pglock_*`` key in ``app.conf``
 (with the app's namespace, if any: ``CELERY_PGLOCK_*`` under
 ``namespace="CELERY"``), then as the uppercase ``PGLOCK_*`` environment
-variable, then its default. A value that does not parse is reported (a warning
-and a log line naming the key as written) and the default is used instead,
-except for ``pglock_dsn``, whose absence is an error at the first lock.
+variable, then its default. A value that does not parse is an error, never a
+silent fallback to the default: ConfigurationError names every bad key as
+written and the values it takes (a worker refuses to start with one, see
+task.py). The absence of ``pglock_dsn`` is an error at the first lock.
 
 The parsed settings are cached on the app, keyed by the raw values they came
 from, so a change (``app.conf.pglock_dsn = ...`` in a test fixture, Django's
@@ -20,10 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import os
 import re
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -35,8 +34,6 @@ from celery.utils.collections import DictAttribute
 
 from .dsn import dsn_problem
 from .exceptions import ConfigurationError
-
-logger = logging.getLogger("pglock_celery.config")
 
 _CACHE_ATTRIBUTE = "_pglock_config"
 
@@ -73,10 +70,14 @@ def _application_name(raw: Any) -> str:
     return text
 
 
+#: The values of pglock_on_lost.
+ON_LOST_REACTIONS = ("interrupt", "raise", "terminate")
+
+
 def _reaction(raw: Any) -> str:
     text = str(raw).strip().lower()
-    if text not in ("raise", "terminate"):
-        raise ValueError("must be 'raise' or 'terminate'")
+    if text not in ON_LOST_REACTIONS:
+        raise ValueError("must be 'interrupt', 'raise' or 'terminate'")
     return text
 
 
@@ -139,8 +140,9 @@ class PglockConfig:
     #: Seconds between checks that a running step's lock session is alive,
     #: still holds its lock and is not on a server in recovery.
     check_interval: float = 2.0
-    #: What a task does when its lock is lost: "raise" (LockLost at the next
-    #: use of the lock) or "terminate" (the worker process ends at once).
+    #: What a task does when its lock is lost: "interrupt" (LockLost raised
+    #: inside the running body), "raise" (LockLost at the next use of the lock)
+    #: or "terminate" (the worker process ends at once).
     on_lost: str = "raise"
     #: Where lock sessions come from: "reuse" (a few idle lock-only sessions
     #: per process, checked out by one holder at a time) or "connect" (a new
@@ -263,9 +265,14 @@ def _namespaced(prefix: str | None, key: str) -> str | None:
 
 
 def load_config(conf: Any, environ: dict[str, str] | None = None) -> PglockConfig:
-    """Build a PglockConfig from a Celery ``conf`` mapping and the environment."""
+    """Build a PglockConfig from a Celery ``conf`` mapping and the environment.
+
+    Raises ConfigurationError naming every value that does not parse, as the
+    user wrote its key (``CELERY_PGLOCK_X``, ``PGLOCK_X``), and why.
+    """
     environ = dict(os.environ) if environ is None else environ
     values: dict[str, Any] = {}
+    problems: list[str] = []
     for field in dataclasses.fields(PglockConfig):
         key, env = f"pglock_{field.name}", f"PGLOCK_{field.name.upper()}"
         raw = conf.get(key) if conf is not None else None
@@ -280,9 +287,11 @@ def load_config(conf: Any, environ: dict[str, str] | None = None) -> PglockConfi
             if source == key:
                 source = _written_as(conf, key)
             shown = "<hidden>" if field.name == "dsn" else repr(raw)
-            message = f"ignoring {source}={shown}: {exc}; using the default {field.default!r}"
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            logger.warning(message, extra={"setting": source})
+            problems.append(f"{source}={shown}: {exc}")
+    if problems:
+        if len(problems) == 1:
+            raise ConfigurationError(f"invalid setting {problems[0]}")
+        raise ConfigurationError(f"invalid settings: {'; '.join(problems)}")
     return PglockConfig(**values)
 
 

@@ -8,16 +8,21 @@ per-lock path does.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import psycopg
+from celery import current_app
 
-from .config import PglockConfig
-from .exceptions import LockUnavailable
-from .guard import ROW_TRIGGER, guarded_tables
+from .config import PglockConfig, get_config
+from .exceptions import ConfigurationError, LockUnavailable
+from .guard import ROW_TRIGGER, guarded_tables, unguarded_children
+from .keys import key_to_lock_fields, lock_key
 from .session import application_name, open_session
 
 MIN_SERVER_VERSION = 140000
@@ -58,9 +63,9 @@ def _over_tcp(conn: psycopg.Connection) -> bool:
     return not conn.info.host.startswith("/")
 
 
-def check_lock_session(dsn: str) -> Iterator[Finding]:
+def check_lock_session(dsn: str, pooler: str = "none") -> Iterator[Finding]:
     """Open a real lock session: the settings it asks for must hold."""
-    config = PglockConfig(dsn=dsn)
+    config = PglockConfig(dsn=dsn, pooler=pooler)
     try:
         session = open_session(config, application_name("pglock", "doctor-probe", None))
     except LockUnavailable as exc:
@@ -262,7 +267,9 @@ def check_capacity(conn: psycopg.Connection, locks: int, prefix: str) -> Iterato
 
 def check_privileges(conn: psycopg.Connection) -> Iterator[Finding]:
     can_lock = _one(
-        conn, "SELECT has_function_privilege('pg_try_advisory_lock(bigint)', 'EXECUTE')"
+        conn,
+        "SELECT pg_catalog.has_function_privilege("
+        "'pg_catalog.pg_try_advisory_lock(bigint)', 'EXECUTE')",
     )
     if not can_lock:
         yield Finding(
@@ -289,50 +296,319 @@ def check_privileges(conn: psycopg.Connection) -> Iterator[Finding]:
 
 
 def check_guards(conn: psycopg.Connection) -> Iterator[Finding]:
-    """One finding per guarded table: its lock name, and whether the guard is on."""
+    """One finding per guarded table: its lock name, and whether the whole guard is on."""
     tables = guarded_tables(conn)
     if not tables:
         yield Finding("guarded tables", "ok", "none (pglock-celery guard install TABLE --lock ...)")
     for table in tables:
+        install = f"pglock-celery guard install {table.table} --lock '{table.lock_name}'"
         if not table.enabled:
             yield Finding(
                 "guarded table",
                 "fail",
                 f"{table.table} (lock {table.lock_name}): its trigger is disabled, so writes"
                 " without the lock go through",
-                f"ALTER TABLE {table.table} ENABLE TRIGGER {ROW_TRIGGER}, or"
-                f" pglock-celery guard install {table.table} --lock '{table.lock_name}'",
+                f"ALTER TABLE {table.table} ENABLE TRIGGER {ROW_TRIGGER}, or {install}",
+            )
+        elif not table.stored_row_guarded:
+            yield Finding(
+                "guarded table",
+                "fail",
+                f"{table.table} (lock {table.lock_name}): the row as stored is not checked"
+                " (a guard from an older release, or its AFTER triggers were dropped or"
+                " disabled): a BEFORE trigger that fires after the guard can move a row to"
+                " a lock its writer does not hold",
+                install,
             )
         elif not table.truncate_guarded:
             yield Finding(
                 "guarded table",
                 "warn",
                 f"{table.table} (lock {table.lock_name}): TRUNCATE is not guarded",
-                f"pglock-celery guard install {table.table} --lock '{table.lock_name}'",
+                install,
             )
         else:
             yield Finding("guarded table", "ok", f"{table.table}: lock {table.lock_name}")
 
 
-def run_checks(dsn: str, *, lock_sessions: int = 0, locks: int = 0) -> list[Finding]:
+def check_guarded_children(conn: psycopg.Connection) -> Iterator[Finding]:
+    """Inheritance children of guarded tables that their guard does not cover (a side door)."""
+    for gap in unguarded_children(conn):
+        yield Finding(
+            "guarded table child",
+            "fail",
+            f"{gap.child} inherits from the guarded {gap.parent} (lock {gap.lock_name}), but"
+            f" {gap.reason}: a write through {gap.parent} reaches its rows without the lock",
+            f"pglock-celery guard install {gap.parent} --lock '{gap.lock_name}'",
+        )
+
+
+#: Built-ins that pglock's statements and the guard call, by name.
+SHADOWABLE = (
+    "pg_advisory_lock",
+    "pg_advisory_unlock",
+    "pg_advisory_unlock_all",
+    "pg_advisory_xact_lock",
+    "pg_try_advisory_lock",
+    "pg_try_advisory_xact_lock_shared",
+    "pg_backend_pid",
+    "pg_is_in_recovery",
+    "current_setting",
+    "set_config",
+    "current_database",
+    "strpos",
+    "lower",
+    "left",
+    "md5",
+    "convert_to",
+    "format",
+)
+# Functions and operators in a schema that the role's search_path puts before
+# pg_catalog, named like a built-in: an unqualified call may resolve to them.
+_SHADOWS = """
+WITH path AS (
+  SELECT s.name, s.position FROM pg_catalog.unnest(pg_catalog.current_schemas(true))
+  WITH ORDINALITY AS s (name, position)
+), early AS (
+  SELECT n.oid, n.nspname FROM pg_catalog.pg_namespace n JOIN path ON path.name = n.nspname
+  WHERE path.position < (SELECT position FROM path WHERE name = 'pg_catalog')
+)
+SELECT early.nspname || '.' || p.proname || '('
+       || pg_catalog.pg_get_function_identity_arguments(p.oid) || ')'
+FROM pg_catalog.pg_proc p JOIN early ON early.oid = p.pronamespace
+WHERE p.proname = ANY (%s)
+UNION ALL
+SELECT early.nspname || '.' || o.oprname || ' (operator)'
+FROM pg_catalog.pg_operator o JOIN early ON early.oid = o.oprnamespace
+ORDER BY 1
+"""
+
+
+def check_search_path(conn: psycopg.Connection) -> Iterator[Finding]:
+    """No function or operator on the role's search_path may stand in for a built-in.
+
+    ``pg_catalog`` is searched first unless the search_path names it later: a schema
+    before it that holds e.g. ``pg_try_advisory_lock(bigint)`` or an ``=`` operator
+    redirects any SQL that calls them by their bare names (hand-rolled lock code too).
+    """
+    shadows = [str(name) for (name,) in conn.execute(_SHADOWS, (list(SHADOWABLE),)).fetchall()]
+    path = _show(conn, "search_path")
+    if shadows:
+        yield Finding(
+            "search_path",
+            "fail",
+            f"search_path = {path} puts schemas before pg_catalog that hold "
+            f"{', '.join(shadows)}: SQL calling the built-ins by their bare names runs these",
+            "ALTER ROLE <lock role> SET search_path = pg_catalog, public (pg_catalog first), "
+            "or drop the impostors",
+        )
+    else:
+        yield Finding("search_path", "ok", "nothing on the search_path shadows a built-in")
+
+
+#: How long the reset probe tries to get its server connection back from the pooler.
+RESET_PROBE_SECONDS = 10.0
+#: Client connections the reset probe holds at once while it looks for its server
+#: connection (each holds a server connection that is not the one it wants).
+RESET_PROBE_HOLD = 3
+_PROBE_SETTING = "pglock.doctor_probe"
+_PROBE_STATE = """
+SELECT pg_catalog.pg_backend_pid(), pg_catalog.current_setting(%s, true),
+       EXISTS (SELECT FROM pg_catalog.pg_locks
+               WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid()
+                 AND classid = %s::oid AND objid = %s::oid AND objsubid = 1)
+"""
+
+
+def check_pooler_reset(dsn: str, pooler: str) -> Iterator[Finding]:
+    """Behind a session pooler, find out by trying whether a server connection comes back reset.
+
+    A holder that dies leaves its client connection, not the server's: the pooler hands
+    the server connection to its next client with the dead holder's locks still on it,
+    unless its reset query (PgBouncer's ``server_reset_query = DISCARD ALL``) frees them.
+    The probe takes an advisory lock of its own and sets a session setting on one client
+    connection, disconnects, and reconnects until the pooler hands out the same server
+    backend (``pg_backend_pid()``), then looks whether either survived.
+    """
+    if pooler != "session":
+        return
+    token = uuid.uuid4().hex
+    key = lock_key(f"pglock-doctor-reset-probe:{token}")
+    classid, objid = key_to_lock_fields(key)
+    with _probe_connect(dsn) as first:
+        row = first.execute(
+            "SELECT pg_catalog.pg_backend_pid(), pg_catalog.pg_advisory_lock(%s),"
+            " pg_catalog.set_config(%s, %s, false)",
+            (key, _PROBE_SETTING, token),
+        ).fetchone()
+        assert row is not None
+        backend = int(row[0])
+    found = _same_backend_again(dsn, backend, (_PROBE_SETTING, classid, objid))
+    if found is None:
+        yield Finding(
+            "pooler reset",
+            "warn",
+            f"could not get the probe's server connection (backend {backend}) back from the"
+            f" pooler within {RESET_PROBE_SECONDS:g} s, so whether the pooler resets a server"
+            " connection before handing it to another client is unknown (a busy pool?)",
+            "make sure the pooler resets server connections: PgBouncer server_reset_query ="
+            " DISCARD ALL (its default)",
+        )
+        return
+    setting_kept, lock_kept = found[0] == token, bool(found[1])
+    if lock_kept or setting_kept:
+        kept = "its advisory lock" if lock_kept else "its session setting"
+        yield Finding(
+            "pooler reset",
+            "fail",
+            f"the pooler handed a server connection to the next client with {kept} still on"
+            " it: a holder that dies behind this pooler keeps its locks until the pooler"
+            " closes that server connection, and the next client to get it holds them",
+            "PgBouncer: server_reset_query = DISCARD ALL (its default; an empty value turns"
+            " the reset off) in pgbouncer.ini, then RELOAD; server_reset_query_always does"
+            " not matter in session pools",
+        )
+    else:
+        yield Finding(
+            "pooler reset",
+            "ok",
+            "the pooler resets a server connection (advisory locks, settings) before handing"
+            " it to the next client",
+        )
+
+
+def _probe_connect(dsn: str) -> psycopg.Connection:
+    return psycopg.connect(
+        dsn, autocommit=True, connect_timeout=5, application_name="pglock-doctor-probe"
+    )
+
+
+def _same_backend_again(
+    dsn: str, backend: int, probe: tuple[str, int, int]
+) -> tuple[object, object] | None:
+    """Connect until the pooler hands out ``backend``: (its probe setting, lock kept?).
+
+    Connections given other server backends are held a while, so that the pooler cannot
+    hand those back instead (PgBouncer reuses the last one released first); the probe's
+    lock is released when found.
+    """
+    deadline = time.monotonic() + RESET_PROBE_SECONDS
+    while time.monotonic() < deadline:
+        with contextlib.ExitStack() as held:
+            for _ in range(RESET_PROBE_HOLD):
+                conn = held.enter_context(_probe_connect(dsn))
+                row = conn.execute(_PROBE_STATE, probe).fetchone()
+                assert row is not None
+                if int(row[0]) == backend:
+                    conn.execute("SELECT pg_catalog.pg_advisory_unlock_all()")
+                    return row[1], row[2]
+    return None
+
+
+def check_replication(conn: psycopg.Connection) -> Iterator[Finding]:
+    """A server with replicas must commit synchronously, or a failover loses fenced writes.
+
+    A failover promotes a replica; a write acknowledged on the old primary but not yet
+    on the replica is gone, although it was made under its lock (G12).
+    """
+    row = conn.execute(
+        "SELECT (SELECT pg_catalog.count(*) FROM pg_catalog.pg_stat_replication),"
+        " (SELECT pg_catalog.count(*) FROM pg_catalog.pg_stat_replication"
+        "  WHERE sync_state IN ('sync', 'quorum')),"
+        " (SELECT pg_catalog.count(*) FROM pg_catalog.pg_stat_replication"
+        "  WHERE sync_state IS NOT NULL),"
+        " pg_catalog.current_setting('synchronous_standby_names'),"
+        " pg_catalog.current_setting('synchronous_commit')"
+    ).fetchone()
+    assert row is not None
+    replicas, synchronous, visible, names, commit = row
+    fix = (
+        "Patroni: synchronous_mode: true and synchronous_mode_strict: true in the cluster's"
+        " dynamic configuration (patronictl edit-config); without Patroni: ALTER SYSTEM SET"
+        " synchronous_standby_names = 'ANY 1 (*)'; SELECT pg_reload_conf();"
+    )
+    if not replicas:
+        yield Finding("replication", "ok", "no streaming replica: nothing to fail over to")
+    elif not str(names).strip():
+        yield Finding(
+            "replication",
+            "fail",
+            f"{replicas} streaming replica(s), but commits are asynchronous"
+            " (synchronous_standby_names is empty): a failover to a replica loses writes"
+            " that were acknowledged under their lock, and a deposed primary acknowledges"
+            " writes nobody else will see",
+            fix,
+        )
+    elif commit in ("off", "local"):
+        yield Finding(
+            "replication",
+            "fail",
+            f"synchronous_commit = {commit} for this role (the lock role): its commits do"
+            f" not wait for the synchronous standby ({names}), so a failover can lose them",
+            "ALTER ROLE <lock role> SET synchronous_commit = on (and no SET on the way: per"
+            " database, in the DSN's options or the application); " + fix,
+        )
+    elif visible and not synchronous:
+        yield Finding(
+            "replication",
+            "warn",
+            f"synchronous_standby_names = {names}, but none of the {replicas} replica(s) is"
+            " synchronous now: commits wait until one is",
+            "check the standbys' names (application_name in primary_conninfo) against"
+            " synchronous_standby_names",
+        )
+    else:
+        yield Finding(
+            "replication",
+            "ok",
+            f"{replicas} streaming replica(s); commits wait for a synchronous standby"
+            f" ({names}, synchronous_commit = {commit})",
+        )
+
+
+def check_settings() -> Iterator[Finding]:
+    """The pglock settings (the current Celery app's, PGLOCK_* variables) must all be valid."""
+    try:
+        get_config(current_app)
+    except ConfigurationError as exc:
+        yield Finding(
+            "settings",
+            "fail",
+            str(exc),
+            "set each setting named to one of the values given: a worker refuses to start with it",
+        )
+    else:
+        yield Finding("settings", "ok", "every pglock setting is valid")
+
+
+def run_checks(
+    dsn: str, *, lock_sessions: int = 0, locks: int = 0, pooler: str = "none"
+) -> list[Finding]:
     """Run every check against ``dsn`` and return the findings in order.
 
     ``lock_sessions`` and ``locks``: the most lock sessions and locks the fleet
     holds at once (0: unknown, not checked against the server's limits).
+    ``pooler``: the ``pglock_pooler`` setting ("session": ``dsn`` goes through a
+    session-mode pooler, whose reset of server connections is tried out).
     """
     prefix = PglockConfig().application_name
-    findings = list(check_lock_session(dsn))
+    findings = list(check_lock_session(dsn, pooler))
+    findings.extend(check_pooler_reset(dsn, pooler))
     with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
         checks: list[Callable[[], Iterator[Finding]]] = [
             lambda: check_version(conn),
             lambda: check_standby(conn),
+            lambda: check_replication(conn),
             lambda: check_pooler(conn, dsn),
             lambda: check_idle_timeouts(conn),
             lambda: check_keepalives(conn),
             lambda: check_connections(conn, lock_sessions),
             lambda: check_capacity(conn, locks, prefix),
             lambda: check_privileges(conn),
+            lambda: check_search_path(conn),
             lambda: check_guards(conn),
+            lambda: check_guarded_children(conn),
+            check_settings,
         ]
         for check in checks:
             findings.extend(check())

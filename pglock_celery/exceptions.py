@@ -3,11 +3,20 @@
 ::
 
     PglockError
-     +-- ConfigurationError   a pglock_* setting or a task option is missing or invalid
-     +-- LockNameError        a call's lock name could not be resolved
-     +-- LockUnavailable      no lock session could be opened or used (fail closed)
-     +-- LockTimeout          the lock was not obtained in time
-     +-- LockLost             a lock that was held is no longer held
+     +-- ConfigurationError        a pglock_* setting or a task option is missing or invalid
+     +-- LockArgumentError         (also ValueError) an argument has a value no lock takes:
+     |    |                        a key outside 64 bits, a negative, NaN or too long timeout
+     |    +-- LockNameError        a lock name is empty or holds a NUL, or a call's lock
+     |                             name could not be resolved from its arguments
+     +-- LockArgumentTypeError     (also TypeError) an argument has a type no lock takes:
+     |                             a lock that is neither a str name nor an int key, a
+     |                             timeout that is not a number of seconds
+     +-- LockUnavailable           no lock session could be opened or used (fail closed)
+     +-- LockTimeout               the lock was not obtained in time
+     +-- LockLost                  a lock that was held is no longer held
+
+Bad arguments are caught by ``except PglockError`` and by the builtin a Python
+user expects (``except ValueError``, ``except TypeError``) alike.
 
 Every error carries a plain message only, so it survives Celery's JSON result
 serialisation and is rebuilt on the caller's side with the same text.
@@ -27,8 +36,16 @@ class ConfigurationError(PglockError):
     """A pglock setting or task option is missing or invalid."""
 
 
-class LockNameError(PglockError):
+class LockArgumentError(PglockError, ValueError):
+    """An argument has a value that no lock can take."""
+
+
+class LockNameError(LockArgumentError):
     """The lock name of a call could not be resolved from its arguments."""
+
+
+class LockArgumentTypeError(PglockError, TypeError):
+    """An argument has a type that no lock can take."""
 
 
 class LockUnavailable(PglockError):

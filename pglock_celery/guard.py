@@ -2,15 +2,20 @@
 
 ``install_guard(conn_or_dsn, "pipelines", "training:{tenant_id}")`` puts on the table:
 
-- ``zz_pglock_guard``: a BEFORE INSERT OR UPDATE OR DELETE row trigger that builds the
-  row's lock name from the template over its columns, computes its key with
-  ``pglock_key()`` and raises (SQLSTATE ``PGL01``) unless this session holds that lock.
-  An UPDATE that changes the name needs the old and the new lock. The template is the
-  trigger's argument, so ``\\d pipelines`` shows it and ``guarded_tables()`` reads it
-  back. Its name sorts after the usual trigger names: BEFORE triggers fire in name
-  order, and the guard must see the row as it will be written.
+- ``zz_pglock_guard``: a BEFORE UPDATE OR DELETE row trigger that builds the old row's
+  lock name from the template over its columns, computes its key with ``pglock_key()``
+  and raises (SQLSTATE ``PGL01``) unless this session holds that lock, before anything
+  changes. The template is the trigger's argument, so ``\\d pipelines`` shows it and
+  ``guarded_tables()`` reads it back.
+- ``zz_pglock_guard_stored_insert`` and ``zz_pglock_guard_stored_update``: AFTER row
+  triggers that check the new row's lock on the row as stored, once every BEFORE
+  trigger has run (a table's own trigger that fires after the guard's may rewrite the
+  name's columns); the update one fires only when a column of the name changed, so an
+  UPDATE that changes the name needs the old and the new lock. They are plain AFTER
+  triggers, not deferrable: they fire at the end of their statement and abort it, so a
+  refused row is never stored.
 - ``zz_pglock_guard_truncate``: a BEFORE TRUNCATE statement trigger that refuses (a
-  TRUNCATE changes every tenant's rows at once).
+  TRUNCATE changes every tenant's rows at once; cascaded TRUNCATEs fire it too).
 - its trigger function ``pglock_guard_<table>()``, generated for the table, in the
   table's schema (dropped with it).
 
@@ -18,6 +23,17 @@ and, once per database, in schema ``public``: ``pglock_key(text)`` (equal to
 :func:`~pglock_celery.keys.lock_key` for every string), ``pglock_key_from_hex(text)``
 (its arithmetic on a digest prefix), and the shared functions of the slow path and of
 TRUNCATE. They are replaced only when their text changes.
+
+The same guard goes on every inheritance descendant of the table (``CREATE TABLE c ()
+INHERITS (t)``): a row stored in a child fires only the child's triggers, even when the
+statement names the parent. A descendant guarded with another template is refused
+(its rows are written through the parent too), and so is a foreign table among them.
+Partitions need nothing: Postgres clones a partitioned table's row triggers onto each.
+A child added later is unguarded until install_guard runs again (``doctor`` says so).
+
+Every built-in the guard calls is named with its schema (``pg_catalog.``), and its
+PL/pgSQL functions run with ``search_path = pg_catalog, pg_temp``: a role whose
+search_path holds functions or operators of the same names cannot redirect them.
 
 Who holds a lock: a session whose ``pglock.held`` setting (written by every lock
 statement of this library) lists the key, and that gets
@@ -36,6 +52,7 @@ import hashlib
 import string
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -55,6 +72,10 @@ GUARD_SQLSTATE = "PGL01"
 GUARD_SETTING = "pglock.guard"
 ROW_TRIGGER = "zz_pglock_guard"
 TRUNCATE_TRIGGER = "zz_pglock_guard_truncate"
+STORED_INSERT_TRIGGER = "zz_pglock_guard_stored_insert"
+STORED_UPDATE_TRIGGER = "zz_pglock_guard_stored_update"
+#: Every trigger a guard puts on a table.
+TRIGGERS = (ROW_TRIGGER, STORED_INSERT_TRIGGER, STORED_UPDATE_TRIGGER, TRUNCATE_TRIGGER)
 #: The application_name of the connection install_guard opens for a DSN.
 APPLICATION_NAME = "pglock-celery-guard"
 #: Column types whose text in Postgres is what str.format gives for the value psycopg
@@ -79,33 +100,45 @@ _FUNCTION_NAME_MAX_BYTES = 63
 # of the 16 hex digits is u (unsigned) mod 2**64, the key is u - (2**63 - 1) with 2**63
 # wrapping to -2**63, that is ((s + 1) mod 2**64) - 2**63. The digest is referenced once,
 # so that Postgres inlines pglock_key() into the trigger's expression.
+# Functions and operators are named with their schema: an SQL function's body is parsed
+# (inlined) under the caller's search_path. bit, bigint and numeric are keywords that
+# always mean pg_catalog's types.
 _KEY_FROM_HEX = f"""
-SELECT ((('x' || prefix)::bit(64)::bigint::numeric + {2**64 + 1}) % {2**64}
-        - {2**63})::bigint
+SELECT ((((('x' OPERATOR(pg_catalog.||) prefix)::bit(64)::bigint::numeric
+           OPERATOR(pg_catalog.+) {2**64 + 1}) OPERATOR(pg_catalog.%) {2**64})
+         OPERATOR(pg_catalog.-) {2**63}))::bigint
 """
 # md5() hashes the text as the server stores it: UTF-8 bytes in a UTF8 (or SQL_ASCII)
 # database. Elsewhere convert_to() gives them, at the price of inlining (it is only STABLE).
-_KEY = "SELECT public.pglock_key_from_hex(left(md5({bytes}), 16))"
+_KEY = "SELECT public.pglock_key_from_hex(pg_catalog.left(pg_catalog.md5({bytes}), 16))"
 _UTF8_BYTES = "name"
-_CONVERTED_BYTES = "convert_to(name, 'UTF8')"
+_CONVERTED_BYTES = "pg_catalog.convert_to(name, 'UTF8')"
 
-_OFF_TEST = f"lower(current_setting('{GUARD_SETTING}', true)) IN ('off', 'false', 'no', '0')"
+#: The SET clause of the guard's PL/pgSQL functions, as pg_proc.proconfig shows it.
+PINNED_SEARCH_PATH = "search_path=pg_catalog, pg_temp"
+
+_OFF_TEST = (
+    f"pg_catalog.lower(pg_catalog.current_setting('{GUARD_SETTING}', true))"
+    " IN ('off', 'false', 'no', '0')"
+)
 
 # The slow path, only when the fast one failed: a hand-rolled holder, or a refusal.
 _CHECK = f"""
 DECLARE
-  db oid := (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database());
+  db oid := (SELECT oid FROM pg_catalog.pg_database
+             WHERE datname = pg_catalog.current_database());
   holder integer;
+  holder_name text;
 BEGIN
-  IF pg_try_advisory_xact_lock_shared(key) THEN
+  IF pg_catalog.pg_try_advisory_xact_lock_shared(key) THEN
     -- Nobody else holds it: does this session, by hand-rolled pg_advisory_lock? Not
     -- a lock session of the library's: its pglock.held names what its holder holds
     -- (a shared session holds other holders' keys too).
-    IF coalesce(current_setting('{HELD_SETTING}', true), '') = '' AND EXISTS (
+    IF coalesce(pg_catalog.current_setting('{HELD_SETTING}', true), '') = '' AND EXISTS (
       SELECT FROM pg_catalog.pg_locks
       WHERE locktype = 'advisory' AND database = db AND objsubid = 1
         AND classid = ((key >> 32) & 4294967295)::oid AND objid = (key & 4294967295)::oid
-        AND pid = pg_backend_pid() AND mode = 'ExclusiveLock' AND granted
+        AND pid = pg_catalog.pg_backend_pid() AND mode = 'ExclusiveLock' AND granted
     ) THEN
       RETURN;
     END IF;
@@ -115,17 +148,35 @@ BEGIN
       AND classid = ((key >> 32) & 4294967295)::oid AND objid = (key & 4294967295)::oid
       AND mode = 'ExclusiveLock' AND granted
     LIMIT 1;
+    SELECT application_name INTO holder_name FROM pg_catalog.pg_stat_activity
+    WHERE pid = holder;
   END IF;
+  IF holder IS NULL THEN
+    RAISE EXCEPTION USING
+      ERRCODE = '{GUARD_SQLSTATE}',
+      MESSAGE = pg_catalog.format(
+        'pglock guard: %s on %I.%I refused: this session does not hold the lock "%s"',
+        op, schema_name, table_name, lock_name),
+      DETAIL = pg_catalog.format('The lock''s key is %s; no session holds it.', key),
+      HINT = pg_catalog.format('Take the lock and write through its connection '
+        '(try_lock(%L).connection, or current_lock().connection in a task body); a '
+        'migration or an operator can SET LOCAL {GUARD_SETTING} = off.', lock_name);
+  END IF;
+  -- Held, but by another session: most often a task body that holds the lock and
+  -- writes through an ORM (Django's), whose connection is not the lock session.
   RAISE EXCEPTION USING
     ERRCODE = '{GUARD_SQLSTATE}',
-    MESSAGE = format(
+    MESSAGE = pg_catalog.format(
       'pglock guard: %s on %I.%I refused: this session does not hold the lock "%s"',
       op, schema_name, table_name, lock_name),
-    DETAIL = format('The lock''s key is %s; %s.', key,
-      CASE WHEN holder IS NOT NULL THEN format('the session of backend pid %s holds it', holder)
-           ELSE 'no session holds it' END),
-    HINT = format('Take the lock and write through its connection (try_lock(%L).connection, '
-      'or current_lock().connection in a task body); a migration or an operator can '
+    DETAIL = pg_catalog.format(
+      'The lock''s key is %s; the session of backend pid %s holds it (application_name %L).',
+      key, holder, holder_name),
+    HINT = pg_catalog.format('Another session holds the lock. If this write runs in the '
+      'task that holds it, it went through a connection that is not the lock''s: an '
+      'ORM''s connection (Django''s django.db.connection, SQLAlchemy''s engine) is not the '
+      'lock''s. Write through current_lock().connection or lock.transaction() '
+      '(try_lock(%L).connection outside a task); a migration or an operator can '
       'SET LOCAL {GUARD_SETTING} = off.', lock_name);
 END
 """
@@ -137,11 +188,14 @@ BEGIN
   END IF;
   RAISE EXCEPTION USING
     ERRCODE = '{GUARD_SQLSTATE}',
-    MESSAGE = format('pglock guard: TRUNCATE of %I.%I refused: it would change every '
-      'lock''s rows at once', TG_TABLE_SCHEMA, TG_TABLE_NAME),
+    MESSAGE = pg_catalog.format('pglock guard: TRUNCATE of %I.%I refused: it would change '
+      'every lock''s rows at once', TG_TABLE_SCHEMA, TG_TABLE_NAME),
     HINT = 'A migration or an operator can SET LOCAL {GUARD_SETTING} = off first.';
 END
 """
+
+
+_PINNED = "SET search_path = pg_catalog, pg_temp"
 
 
 def shared_functions(server_encoding: str) -> list[tuple[str, str, str]]:
@@ -164,13 +218,14 @@ def shared_functions(server_encoding: str) -> list[tuple[str, str, str]]:
         (
             "public.pglock_guard_check(text,name,name,text,bigint)",
             "CREATE OR REPLACE FUNCTION public.pglock_guard_check(op text, schema_name name,"
-            " table_name name, lock_name text, key bigint) RETURNS void LANGUAGE plpgsql AS {}",
+            " table_name name, lock_name text, key bigint) RETURNS void LANGUAGE plpgsql"
+            f" {_PINNED} AS {{}}",
             _CHECK,
         ),
         (
             "public.pglock_guard_truncate()",
             "CREATE OR REPLACE FUNCTION public.pglock_guard_truncate() RETURNS trigger"
-            " LANGUAGE plpgsql AS {}",
+            f" LANGUAGE plpgsql {_PINNED} AS {{}}",
             _TRUNCATE,
         ),
     ]
@@ -179,7 +234,7 @@ def shared_functions(server_encoding: str) -> list[tuple[str, str, str]]:
 _TABLE = """
 SELECT c.oid, n.nspname, c.relname, c.relkind
 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-WHERE c.oid = to_regclass(%s)
+WHERE c.oid = pg_catalog.to_regclass(%s)
 """
 # Each column with the type its domains (if any) rest on.
 _COLUMNS = """
@@ -190,14 +245,45 @@ WITH RECURSIVE base (attname, attgenerated, typ, depth) AS (
   SELECT b.attname, b.attgenerated, t.typbasetype, b.depth + 1
   FROM base b JOIN pg_catalog.pg_type t ON t.oid = b.typ WHERE t.typtype = 'd'
 )
-SELECT DISTINCT ON (attname) attname, attgenerated, t.typname, format_type(t.oid, NULL)
+SELECT DISTINCT ON (attname) attname, attgenerated, t.typname, pg_catalog.format_type(t.oid, NULL)
 FROM base b JOIN pg_catalog.pg_type t ON t.oid = b.typ
 ORDER BY attname, depth DESC
 """
+# Inheritance descendants (children, their children...), not partitions: Postgres
+# clones a partitioned table's row triggers onto its partitions itself.
+_DESCENDANTS = """
+WITH RECURSIVE tree (oid) AS (
+  SELECT i.inhrelid FROM pg_catalog.pg_inherits i WHERE i.inhparent = %s
+  UNION
+  SELECT i.inhrelid FROM tree JOIN pg_catalog.pg_inherits i ON i.inhparent = tree.oid
+)
+SELECT c.oid, n.nspname, c.relname, c.relkind
+FROM tree JOIN pg_catalog.pg_class c ON c.oid = tree.oid
+JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE NOT c.relispartition
+ORDER BY n.nspname, c.relname
+"""
+# Guarded inheritance ancestors, the farthest first.
+_ANCESTOR_GUARDS = """
+WITH RECURSIVE up (oid, depth) AS (
+  SELECT i.inhparent, 1 FROM pg_catalog.pg_inherits i WHERE i.inhrelid = %(oid)s
+  UNION
+  SELECT i.inhparent, up.depth + 1 FROM up JOIN pg_catalog.pg_inherits i ON i.inhrelid = up.oid
+)
+SELECT n.nspname, c.relname, t.tgargs
+FROM up JOIN pg_catalog.pg_class c ON c.oid = up.oid
+JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+JOIN pg_catalog.pg_trigger t ON t.tgrelid = c.oid AND t.tgname = %(row)s
+WHERE c.relkind = 'r'
+ORDER BY up.depth DESC
+"""
 _GUARDED = """
-SELECT n.nspname, c.relname, t.tgargs, t.tgenabled,
+SELECT c.oid, n.nspname, c.relname, t.tgargs, t.tgenabled,
        EXISTS (SELECT FROM pg_catalog.pg_trigger u
-               WHERE u.tgrelid = t.tgrelid AND u.tgname = %(truncate)s)
+               WHERE u.tgrelid = t.tgrelid AND u.tgname = %(truncate)s),
+       (SELECT pg_catalog.count(*) FROM pg_catalog.pg_trigger u
+        WHERE u.tgrelid = t.tgrelid AND u.tgname IN (%(insert)s, %(update)s)
+          AND u.tgenabled IN ('O', 'A')) = 2
 FROM pg_catalog.pg_trigger t
 JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid
 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
@@ -208,8 +294,10 @@ _TRIGGER = """
 SELECT t.tgfoid, t.tgtype, t.tgenabled, t.tgargs
 FROM pg_catalog.pg_trigger t WHERE t.tgrelid = %s AND t.tgname = %s
 """
-# BEFORE ROW INSERT DELETE UPDATE, and BEFORE TRUNCATE (statement): pg_trigger.tgtype bits.
-_ROW_TYPE = 1 | 2 | 4 | 8 | 16
+# pg_trigger.tgtype bits: ROW 1, BEFORE 2, INSERT 4, DELETE 8, UPDATE 16, TRUNCATE 32.
+_ROW_TYPE = 1 | 2 | 8 | 16
+_STORED_INSERT_TYPE = 1 | 4
+_STORED_UPDATE_TYPE = 1 | 16
 _TRUNCATE_TYPE = 2 | 32
 
 
@@ -226,6 +314,23 @@ class GuardedTable:
     enabled: bool
     #: False when the TRUNCATE trigger is missing.
     truncate_guarded: bool
+    #: False when a trigger that checks the row as stored (after the table's other
+    #: BEFORE triggers) is missing or disabled: a guard from an older release.
+    stored_row_guarded: bool
+
+
+@dataclass(frozen=True)
+class UnguardedChild:
+    """An inheritance descendant of a guarded table whose rows the guard does not cover."""
+
+    #: ``schema.table`` of the guarded ancestor.
+    parent: str
+    #: Its lock name template.
+    lock_name: str
+    #: ``schema.table`` of the descendant.
+    child: str
+    #: Why its rows are not covered, for a person.
+    reason: str
 
 
 def parse_template(lock_name: str) -> list[tuple[str, str | None]]:
@@ -281,11 +386,16 @@ def name_expression(parts: list[tuple[str, str | None]], row: str) -> sql.Compos
 
 
 def trigger_function_body(parts: list[tuple[str, str | None]]) -> sql.Composable:
-    """The PL/pgSQL body of a table's row trigger function."""
+    """The PL/pgSQL body of a table's row trigger function (BEFORE and AFTER).
+
+    BEFORE UPDATE or DELETE: the old row's lock, before anything changes. AFTER INSERT,
+    and AFTER an UPDATE whose name's columns changed: the new row's lock, judged on the
+    row as stored, once every BEFORE trigger (ours sorts first or last) has run.
+    """
     check = sql.SQL(
         "key := public.pglock_key({name});\n"
-        "    IF strpos(held, ',' || key || ',') = 0"
-        " OR NOT pg_try_advisory_xact_lock_shared(key) THEN\n"
+        "    IF pg_catalog.strpos(held, ',' || key || ',') = 0"
+        " OR NOT pg_catalog.pg_try_advisory_xact_lock_shared(key) THEN\n"
         "      PERFORM public.pglock_guard_check(TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME,"
         " {name}, key);\n"
         "    END IF;"
@@ -302,17 +412,21 @@ BEGIN
     IF TG_OP = 'DELETE' THEN RETURN OLD; END IF;
     RETURN NEW;
   END IF;
-  held := coalesce(current_setting({held_setting}, true), '');
+  held := coalesce(pg_catalog.current_setting({held_setting}, true), '');
   IF TG_OP <> 'INSERT' THEN
     old_name := {old};
+  END IF;
+  IF TG_WHEN = 'BEFORE' THEN  -- UPDATE, DELETE: the row as it is stored now
     {check_old}
     IF TG_OP = 'DELETE' THEN RETURN OLD; END IF;
+    RETURN NEW;
   END IF;
+  -- AFTER INSERT, UPDATE: the row as it was stored, once every BEFORE trigger ran.
   new_name := {new};
   IF new_name IS DISTINCT FROM old_name THEN
     {check_new}
   END IF;
-  RETURN NEW;
+  RETURN NULL;
 END
 """
     ).format(
@@ -322,6 +436,17 @@ END
         new=name_expression(parts, "NEW"),
         check_old=check.format(name=sql.SQL("old_name")),
         check_new=check.format(name=sql.SQL("new_name")),
+    )
+
+
+def name_changed(parts: list[tuple[str, str | None]]) -> sql.Composable:
+    """The WHEN condition of the stored-row UPDATE trigger: a column of the name changed."""
+    columns = list(dict.fromkeys(field for _, field in parts if field is not None))
+    if not columns:
+        return sql.SQL("false")
+    return sql.SQL(" OR ").join(
+        sql.SQL("NEW.{0} IS DISTINCT FROM OLD.{0}").format(sql.Identifier(column))
+        for column in columns
     )
 
 
@@ -388,16 +513,33 @@ def _one_line(exc: BaseException, dsn: str | None) -> str:
 
 @contextlib.contextmanager
 def _transaction(conn: psycopg.Connection) -> Iterator[None]:
-    """One transaction (a savepoint inside the caller's), waiting a bounded time for locks."""
+    """One transaction (a savepoint inside the caller's), waiting a bounded time for locks.
+
+    Its statements run with ``search_path = pg_catalog, pg_temp`` once the caller's
+    table name is resolved (:func:`_pin_search_path`), so that the operators stored in
+    a trigger's WHEN clause are pg_catalog's; the caller's own settings come back after.
+    """
     with conn.transaction():
-        row = conn.execute("SELECT current_setting('lock_timeout')").fetchone()
-        bounded = row is not None and row[0] == "0"
+        row = conn.execute(
+            "SELECT pg_catalog.current_setting('lock_timeout'),"
+            " pg_catalog.current_setting('search_path')"
+        ).fetchone()
+        assert row is not None
+        bounded = row[0] == "0"
         if bounded:
-            conn.execute("SELECT set_config('lock_timeout', %s, true)", (TABLE_LOCK_TIMEOUT,))
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_INSTALL_KEY,))
+            conn.execute(
+                "SELECT pg_catalog.set_config('lock_timeout', %s, true)", (TABLE_LOCK_TIMEOUT,)
+            )
+        conn.execute("SELECT pg_catalog.pg_advisory_xact_lock(%s)", (_INSTALL_KEY,))
         yield
-        if bounded:  # the caller's transaction goes on: give it back its own setting
-            conn.execute("SELECT set_config('lock_timeout', '0', true)")
+        # The caller's transaction goes on: give it back its own settings.
+        if bounded:
+            conn.execute("SELECT pg_catalog.set_config('lock_timeout', '0', true)")
+        conn.execute("SELECT pg_catalog.set_config('search_path', %s, true)", (row[1],))
+
+
+def _pin_search_path(conn: psycopg.Connection) -> None:
+    conn.execute("SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true)")
 
 
 def _resolve_table(conn: psycopg.Connection, table: str) -> tuple[int, str, str]:
@@ -446,29 +588,92 @@ def _check_columns(
     return parts
 
 
-def _function_source(conn: psycopg.Connection, signature: str) -> str | None:
+def _function_source(conn: psycopg.Connection, signature: str) -> tuple[str, list[str]] | None:
+    """(body, SET clauses) of a function, or None."""
     row = conn.execute(
-        "SELECT prosrc FROM pg_catalog.pg_proc WHERE oid = to_regprocedure(%s)", (signature,)
+        "SELECT prosrc, proconfig FROM pg_catalog.pg_proc"
+        " WHERE oid = pg_catalog.to_regprocedure(%s)",
+        (signature,),
     ).fetchone()
-    return str(row[0]) if row else None
+    return (str(row[0]), list(row[1] or [])) if row else None
 
 
 def _install_shared(conn: psycopg.Connection) -> None:
     """pglock_key() and the guard's shared functions, created or replaced when they differ."""
-    if conn.execute("SELECT to_regnamespace('public')").fetchone() in (None, (None,)):
+    if conn.execute("SELECT pg_catalog.to_regnamespace('public')").fetchone() in (None, (None,)):
         raise ConfigurationError(
             "install_guard puts pglock_key() in the schema public, which this database lacks"
         )
-    encoding = conn.execute("SELECT current_setting('server_encoding')").fetchone()
+    encoding = conn.execute("SELECT pg_catalog.current_setting('server_encoding')").fetchone()
     assert encoding is not None
     for signature, create, body in shared_functions(str(encoding[0])):
-        if _function_source(conn, signature) != body:
+        config = [PINNED_SEARCH_PATH] if _PINNED in create else []
+        if _function_source(conn, signature) != (body, config):
             conn.execute(sql.SQL(create).format(sql.Literal(body)))
 
 
 def _trigger(conn: psycopg.Connection, oid: int, name: str) -> tuple[int, int, str, bytes] | None:
     row = conn.execute(_TRIGGER, (oid, name)).fetchone()
     return (int(row[0]), int(row[1]), str(row[2]), bytes(row[3])) if row else None
+
+
+def _template_of(conn: psycopg.Connection, oid: int) -> str | None:
+    """The lock name template of a table's guard, or None."""
+    row = _trigger(conn, oid, ROW_TRIGGER)
+    return None if row is None else _first_argument(row[3])
+
+
+def _first_argument(args: bytes) -> str:
+    return bytes(args).split(b"\0")[0].decode()
+
+
+def _descendants(conn: psycopg.Connection, oid: int) -> list[tuple[int, str, str, str]]:
+    return [
+        (int(o), str(schema), str(name), str(kind))
+        for o, schema, name, kind in conn.execute(_DESCENDANTS, (oid,)).fetchall()
+    ]
+
+
+def _check_family(
+    conn: psycopg.Connection, oid: int, qualified: str, lock_name: str
+) -> list[tuple[int, str, str]]:
+    """Return the descendants to guard with ``lock_name``; raise if one cannot be.
+
+    A table inherits its guarded ancestors' template; a descendant guarded with a
+    template other than the table's (old or new) is refused, and so is a foreign table.
+    """
+    for schema, name, args in conn.execute(
+        _ANCESTOR_GUARDS, {"oid": oid, "row": ROW_TRIGGER}
+    ).fetchall():
+        theirs = _first_argument(args)
+        if theirs != lock_name:
+            raise ConfigurationError(
+                f"{qualified} inherits from {schema}.{name}, guarded with the lock {theirs}:"
+                f" rows of {qualified} are written through {schema}.{name} too, so its guard"
+                f" is {schema}.{name}'s (pglock-celery guard install {schema}.{name} --lock"
+                f" '{theirs}' covers it)"
+            )
+    replaced = _template_of(conn, oid)
+    family = []
+    for child_oid, schema, name, kind in _descendants(conn, oid):
+        child = f"{schema}.{name}"
+        if kind != "r":
+            raise ConfigurationError(
+                f"{child}, an inheritance child of {qualified}, is a foreign table (relkind"
+                f" {kind!r}): its rows live elsewhere and the guard cannot vouch for them;"
+                f" detach it (ALTER TABLE {child} NO INHERIT {qualified}) to guard {qualified}"
+            )
+        guard = _template_of(conn, child_oid)
+        if guard not in (None, lock_name, replaced):
+            raise ConfigurationError(
+                f"{child} (an inheritance child of {qualified}) is guarded with another lock,"
+                f" {guard}: its rows are written through {qualified} too, so it must have"
+                f" {qualified}'s template. Remove its guard first (pglock-celery guard remove"
+                f" {child}), or guard {qualified} with {guard}"
+            )
+        _check_columns(conn, child_oid, child, lock_name)
+        family.append((child_oid, schema, name))
+    return family
 
 
 def install_guard(conn_or_dsn: psycopg.Connection | str, table: str, lock_name: str) -> None:
@@ -478,6 +683,11 @@ def install_guard(conn_or_dsn: psycopg.Connection | str, table: str, lock_name: 
     of the table (text, varchar, smallint, integer, bigint or uuid), e.g.
     ``"training:{tenant_id}"``. Idempotent: installing again with the same template
     changes nothing (and takes no lock on the table); with another, replaces it in place.
+
+    The table's inheritance descendants get the same guard (run it again after adding
+    one); a descendant already guarded with another template, or a foreign table among
+    them, raises ConfigurationError, and so does a template other than a guarded
+    ancestor's.
 
     Runs in one transaction: a savepoint when ``conn_or_dsn`` is a connection inside a
     transaction (a migration), which the caller then commits. A DSN gets a connection
@@ -489,64 +699,94 @@ def install_guard(conn_or_dsn: psycopg.Connection | str, table: str, lock_name: 
     action = f"cannot guard {table!r}"
     with _errors(action, conn_or_dsn), _connection(conn_or_dsn) as conn, _transaction(conn):
         oid, schema, name = _resolve_table(conn, table)
+        _pin_search_path(conn)
         qualified = f"{schema}.{name}"
         parts = _check_columns(conn, oid, qualified, lock_name)
+        family = _check_family(conn, oid, qualified, lock_name)
         _install_shared(conn)
-        function = sql.Identifier(schema, trigger_function_name(name))
-        body = trigger_function_body(parts).as_string(conn)
-        signature = function.as_string(conn) + "()"
-        if _function_source(conn, signature) != body:
-            conn.execute(
-                sql.SQL(
-                    "CREATE OR REPLACE FUNCTION {}() RETURNS trigger LANGUAGE plpgsql AS {}"
-                ).format(function, sql.Literal(body))
+        for member_oid, member_schema, member_name in [(oid, schema, name), *family]:
+            _guard_table(conn, member_oid, member_schema, member_name, parts, lock_name)
+
+
+def _guard_table(
+    conn: psycopg.Connection,
+    oid: int,
+    schema: str,
+    name: str,
+    parts: list[tuple[str, str | None]],
+    lock_name: str,
+) -> None:
+    """Create or repair one table's trigger function and triggers; change nothing in place."""
+    qualified = f"{schema}.{name}"
+    function = sql.Identifier(schema, trigger_function_name(name))
+    body = trigger_function_body(parts).as_string(conn)
+    signature = function.as_string(conn) + "()"
+    if _function_source(conn, signature) != (body, [PINNED_SEARCH_PATH]):
+        conn.execute(
+            sql.SQL(
+                "CREATE OR REPLACE FUNCTION {}() RETURNS trigger LANGUAGE plpgsql {} AS {}"
+            ).format(function, sql.SQL(_PINNED), sql.Literal(body))
+        )
+        conn.execute(
+            sql.SQL("COMMENT ON FUNCTION {}() IS {}").format(
+                function, sql.Literal(f"pglock guard of {qualified}: {lock_name}")
             )
+        )
+    row = conn.execute("SELECT pg_catalog.to_regprocedure(%s)::oid", (signature,)).fetchone()
+    assert row is not None
+    function_oid = int(row[0])
+    target = sql.Identifier(schema, name)
+    args = lock_name.encode() + b"\0"
+    row_triggers = [
+        (ROW_TRIGGER, _ROW_TYPE, sql.SQL("BEFORE UPDATE OR DELETE"), sql.SQL("")),
+        (STORED_INSERT_TRIGGER, _STORED_INSERT_TYPE, sql.SQL("AFTER INSERT"), sql.SQL("")),
+        (
+            STORED_UPDATE_TRIGGER,
+            _STORED_UPDATE_TYPE,
+            sql.SQL("AFTER UPDATE"),
+            sql.SQL(" WHEN ({})").format(name_changed(parts)),
+        ),
+    ]
+    replaced: set[int] = set()
+    for trigger, kind, events, when in row_triggers:
+        old = _trigger(conn, oid, trigger)
+        if old == (function_oid, kind, "O", args):
+            continue
+        conn.execute(
+            sql.SQL(
+                "CREATE OR REPLACE TRIGGER {} {} ON {} FOR EACH ROW{} EXECUTE FUNCTION {}({})"
+            ).format(
+                sql.Identifier(trigger), events, target, when, function, sql.Literal(lock_name)
+            )
+        )
+        if old is not None and old[2] != "O":
             conn.execute(
-                sql.SQL("COMMENT ON FUNCTION {}() IS {}").format(
-                    function, sql.Literal(f"pglock guard of {qualified}: {lock_name}")
+                sql.SQL("ALTER TABLE {} ENABLE TRIGGER {}").format(target, sql.Identifier(trigger))
+            )
+        if old is not None and old[0] != function_oid:
+            replaced.add(old[0])
+    for old_function in replaced:
+        _drop_if_ours(conn, old_function)
+    truncate = _trigger(conn, oid, TRUNCATE_TRIGGER)
+    if truncate is None or truncate[1:3] != (_TRUNCATE_TYPE, "O"):
+        conn.execute(
+            sql.SQL(
+                "CREATE OR REPLACE TRIGGER {} BEFORE TRUNCATE ON {}"
+                " FOR EACH STATEMENT EXECUTE FUNCTION public.pglock_guard_truncate()"
+            ).format(sql.Identifier(TRUNCATE_TRIGGER), target)
+        )
+        if truncate is not None and truncate[2] != "O":
+            conn.execute(
+                sql.SQL("ALTER TABLE {} ENABLE TRIGGER {}").format(
+                    target, sql.Identifier(TRUNCATE_TRIGGER)
                 )
             )
-        row = conn.execute("SELECT to_regprocedure(%s)::oid", (signature,)).fetchone()
-        assert row is not None
-        function_oid = int(row[0])
-        target = sql.Identifier(schema, name)
-        old = _trigger(conn, oid, ROW_TRIGGER)
-        wanted = (function_oid, _ROW_TYPE, "O", lock_name.encode() + b"\0")
-        if old != wanted:
-            conn.execute(
-                sql.SQL(
-                    "CREATE OR REPLACE TRIGGER {} BEFORE INSERT OR UPDATE OR DELETE ON {}"
-                    " FOR EACH ROW EXECUTE FUNCTION {}({})"
-                ).format(sql.Identifier(ROW_TRIGGER), target, function, sql.Literal(lock_name))
-            )
-            if old is not None and old[2] != "O":
-                conn.execute(
-                    sql.SQL("ALTER TABLE {} ENABLE TRIGGER {}").format(
-                        target, sql.Identifier(ROW_TRIGGER)
-                    )
-                )
-            if old is not None and old[0] != function_oid:
-                _drop_if_ours(conn, old[0])
-        truncate = _trigger(conn, oid, TRUNCATE_TRIGGER)
-        if truncate is None or truncate[1:3] != (_TRUNCATE_TYPE, "O"):
-            conn.execute(
-                sql.SQL(
-                    "CREATE OR REPLACE TRIGGER {} BEFORE TRUNCATE ON {}"
-                    " FOR EACH STATEMENT EXECUTE FUNCTION public.pglock_guard_truncate()"
-                ).format(sql.Identifier(TRUNCATE_TRIGGER), target)
-            )
-            if truncate is not None and truncate[2] != "O":
-                conn.execute(
-                    sql.SQL("ALTER TABLE {} ENABLE TRIGGER {}").format(
-                        target, sql.Identifier(TRUNCATE_TRIGGER)
-                    )
-                )
 
 
 def _drop_if_ours(conn: psycopg.Connection, function_oid: int) -> None:
     """Drop a trigger function install_guard generated (and nothing else)."""
     row = conn.execute(
-        "SELECT oid::regprocedure::text FROM pg_catalog.pg_proc"
+        "SELECT oid::pg_catalog.regprocedure::pg_catalog.text FROM pg_catalog.pg_proc"
         " WHERE oid = %s AND proname LIKE 'pglock\\_guard\\_%%'"
         " AND proname <> 'pglock_guard_check' AND proname <> 'pglock_guard_truncate'",
         (function_oid,),
@@ -558,33 +798,107 @@ def _drop_if_ours(conn: psycopg.Connection, function_oid: int) -> None:
 def remove_guard(conn_or_dsn: psycopg.Connection | str, table: str) -> None:
     """Remove the guard of ``table``: writes need no lock again. A table without one is fine.
 
-    Leaves ``pglock_key()`` and the shared functions, which other tables may use. Raises
-    ConfigurationError for a missing table, and like :func:`install_guard` otherwise.
+    Removes it from the table's inheritance descendants guarded with the same template
+    too. Leaves ``pglock_key()`` and the shared functions, which other tables may use.
+    Raises ConfigurationError for a missing table, and like :func:`install_guard`
+    otherwise. :func:`guarded_tables` before and after tells what was removed.
     """
     action = f"cannot remove the guard of {table!r}"
     with _errors(action, conn_or_dsn), _connection(conn_or_dsn) as conn, _transaction(conn):
         oid, schema, name = _resolve_table(conn, table)
-        target = sql.Identifier(schema, name)
-        row_trigger = _trigger(conn, oid, ROW_TRIGGER)
-        for trigger in (ROW_TRIGGER, TRUNCATE_TRIGGER):
-            if _trigger(conn, oid, trigger) is not None:
-                conn.execute(
-                    sql.SQL("DROP TRIGGER {} ON {}").format(sql.Identifier(trigger), target)
-                )
-        if row_trigger is not None:
-            _drop_if_ours(conn, row_trigger[0])
+        _pin_search_path(conn)
+        template = _template_of(conn, oid)
+        family = [(oid, schema, name)]
+        if template is not None:
+            family += [
+                (child_oid, child_schema, child_name)
+                for child_oid, child_schema, child_name, _ in _descendants(conn, oid)
+                if _template_of(conn, child_oid) == template
+            ]
+        for member_oid, member_schema, member_name in family:
+            _unguard_table(conn, member_oid, member_schema, member_name)
+
+
+def _unguard_table(conn: psycopg.Connection, oid: int, schema: str, name: str) -> None:
+    target = sql.Identifier(schema, name)
+    functions: set[int] = set()
+    for trigger in TRIGGERS:
+        found = _trigger(conn, oid, trigger)
+        if found is not None:
+            conn.execute(sql.SQL("DROP TRIGGER {} ON {}").format(sql.Identifier(trigger), target))
+            functions.add(found[0])
+    for function_oid in functions:
+        _drop_if_ours(conn, function_oid)
 
 
 def guarded_tables(conn: psycopg.Connection) -> list[GuardedTable]:
     """Return every guarded table of the connection's database, by schema and name."""
-    rows = conn.execute(_GUARDED, {"row": ROW_TRIGGER, "truncate": TRUNCATE_TRIGGER}).fetchall()
     tables = [
         GuardedTable(
             table=f"{schema}.{name}",
-            lock_name=bytes(args).split(b"\0")[0].decode(),
+            lock_name=_first_argument(args),
             enabled=enabled in ("O", "A"),
             truncate_guarded=bool(truncate),
+            stored_row_guarded=bool(stored),
         )
-        for schema, name, args, enabled, truncate in rows
+        for _, schema, name, args, enabled, truncate, stored in _guarded_rows(conn)
     ]
     return sorted(tables, key=lambda t: t.table)
+
+
+def _guarded_rows(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
+    return conn.execute(
+        _GUARDED,
+        {
+            "row": ROW_TRIGGER,
+            "truncate": TRUNCATE_TRIGGER,
+            "insert": STORED_INSERT_TRIGGER,
+            "update": STORED_UPDATE_TRIGGER,
+        },
+    ).fetchall()
+
+
+def inheritance_children(conn: psycopg.Connection, table: str) -> list[str]:
+    """``schema.table`` of each inheritance descendant of ``table`` (not its partitions)."""
+    with conn.transaction():
+        oid, _, _ = _resolve_table(conn, table)
+        return [f"{schema}.{name}" for _, schema, name, _ in _descendants(conn, oid)]
+
+
+def unguarded_children(conn: psycopg.Connection) -> list[UnguardedChild]:
+    """Inheritance descendants of guarded tables whose rows their guard does not cover.
+
+    A child added (``CREATE TABLE ... INHERITS``, ``ALTER TABLE ... INHERIT``) after
+    install_guard ran, or whose guard was removed, disabled or changed: a write through
+    the parent reaches its rows without the lock. Running install_guard on the parent
+    again guards it.
+    """
+    found = []
+    for oid, schema, name, args, _, _, _ in _guarded_rows(conn):
+        if conn.execute(_ANCESTOR_GUARDS, {"oid": oid, "row": ROW_TRIGGER}).fetchone():
+            continue  # its guarded ancestor speaks for its descendants
+        parent, template = f"{schema}.{name}", _first_argument(args)
+        for child_oid, child_schema, child_name, kind in _descendants(conn, oid):
+            reason = _child_gap(conn, child_oid, kind, template)
+            if reason is not None:
+                found.append(
+                    UnguardedChild(parent, template, f"{child_schema}.{child_name}", reason)
+                )
+    return found
+
+
+def _child_gap(conn: psycopg.Connection, oid: int, kind: str, template: str) -> str | None:
+    if kind != "r":
+        return "a foreign table: the guard cannot cover its rows"
+    states = {}
+    for trigger in TRIGGERS:
+        found = _trigger(conn, oid, trigger)
+        if found is not None:
+            states[trigger] = found
+    if ROW_TRIGGER not in states:
+        return "it has no guard"
+    if _first_argument(states[ROW_TRIGGER][3]) != template:
+        return f"its guard asks for another lock, {_first_argument(states[ROW_TRIGGER][3])}"
+    if any(states.get(t, (0, 0, "D"))[2] not in ("O", "A") for t in TRIGGERS):
+        return "its guard is incomplete or disabled"
+    return None

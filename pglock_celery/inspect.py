@@ -1,15 +1,26 @@
-"""Who holds what: advisory locks in pg_locks joined with pg_stat_activity."""
+"""Who holds what: advisory locks in pg_locks joined with pg_stat_activity.
+
+:func:`holder` is the public question "who holds this lock?"; it reads
+``pg_locks`` (any holder, hand-rolled code too), so it is never on a per-lock
+path.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import psycopg
+from celery import current_app
 
-from .keys import key_to_lock_fields, lock_fields_to_key, lock_key
+from .config import get_config
+from .dsn import describe_target, redact
+from .exceptions import LockUnavailable
+from .keys import check_key, check_lock_name, key_to_lock_fields, lock_fields_to_key, lock_key
 from .session import (
     APPLICATION_NAME_MAX_BYTES,
     FIELD_SEPARATOR,
@@ -50,6 +61,9 @@ NAMED_HOLDER = (
 )
 ALL_HELD = _HELD_LOCKS + " ORDER BY a.backend_start, a.pid"
 
+#: The application_name of holder()'s own short session: not a lock session's.
+INSPECT_APPLICATION_NAME = "pglock-celery-inspect"
+
 
 @dataclass(frozen=True)
 class Holder:
@@ -73,6 +87,21 @@ class Holder:
     def as_dict(self) -> dict[str, Any]:
         """Return the holder as a JSON-serialisable dict."""
         return asdict(self)
+
+    def describe(self) -> str:
+        """Say who this is in a log line, with the task id whole (as in ``as_dict()``).
+
+        ``task <id> (process <pid> on <host>, backend <pid>)`` for a task's
+        lock, ``process <pid> on <host> (backend <pid>)`` for another lock of
+        the library, ``backend <pid> (application_name '...')`` for any other
+        session.
+        """
+        if self.worker_pid is None:
+            return f"backend {self.backend_pid} (application_name {self.application_name!r})"
+        process = f"process {self.worker_pid} on {self.worker_host or 'an unknown host'}"
+        if self.task_id is None:
+            return f"{process} (backend {self.backend_pid})"
+        return f"task {self.task_id} ({process}, backend {self.backend_pid})"
 
 
 def parse_application_name(
@@ -167,6 +196,44 @@ def named_holder(key: int, name: str, row: list[bytes | None]) -> Holder:
         state_change=text(changed),
         state=text(state),
     )
+
+
+def holder(name_or_key: str | int, *, dsn: str | None = None) -> Holder | None:
+    """Return who holds the lock ``name_or_key`` now, or None when it is free.
+
+    Any session holding its key is found, hand-rolled code's too (``pg_locks``
+    of the database). Asked by name, the holder carries that name whole (the
+    key is what is checked, never a prefix of a cut application_name); asked
+    by key, the name is what its application_name shows, if anything. Without
+    ``dsn``, the current Celery app's ``pglock_dsn``, else ``PGLOCK_DSN``, as
+    for try_lock. Opens one short plain session (never a lock session) and
+    closes it; raises LockUnavailable when the database cannot be asked.
+    """
+    if isinstance(name_or_key, str):
+        name: str | None = check_lock_name(name_or_key)
+        key = lock_key(name_or_key)
+    else:
+        name, key = None, check_key(name_or_key)
+    label = name if name is not None else f"#{key}"
+    config = get_config(current_app).with_dsn(dsn)
+    target = config.require_dsn()
+    try:
+        with psycopg.connect(
+            target,
+            autocommit=True,
+            # libpq counts whole seconds and treats anything below 2 as 2.
+            connect_timeout=max(2, math.ceil(config.connect_timeout)),
+            application_name=INSPECT_APPLICATION_NAME,
+        ) as conn:
+            found = find_holder(conn, key)
+    except psycopg.Error as exc:
+        reason = " ".join(str(exc).split())
+        raise LockUnavailable(
+            f"cannot ask {describe_target(target)} who holds lock {label}: {redact(reason, target)}"
+        ) from exc
+    if found is None or name is None:
+        return found
+    return dataclasses.replace(found, name=name, name_truncated=False)
 
 
 def list_holders(conn: psycopg.Connection) -> list[Holder]:

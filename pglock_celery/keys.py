@@ -1,4 +1,9 @@
-"""Lock names -> signed 64-bit advisory lock keys, and what a name or a wait may be."""
+"""Lock names -> signed 64-bit advisory lock keys, and what a name or a wait may be.
+
+The checks raise errors that are both ours and the builtin a caller expects: a
+wrong type is a LockArgumentTypeError (a TypeError), a wrong value a
+LockArgumentError or LockNameError (ValueErrors); all are PglockErrors.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import functools
 import hashlib
 import math
 
-from .exceptions import LockNameError
+from .exceptions import LockArgumentError, LockArgumentTypeError, LockNameError
 
 _BIGINT_MAX = 2**63 - 1
 _UINT32_MASK = 0xFFFFFFFF
@@ -23,7 +28,7 @@ def lock_key(name: str) -> int:
     give ``2**63`` (outside bigint) wraps to ``-2**63``.
     """
     if not isinstance(name, str):
-        raise TypeError(f"lock name must be a str, not {type(name).__name__}")
+        raise LockArgumentTypeError(f"lock name must be a str, not {type(name).__name__}")
     digest = hashlib.md5(name.encode(), usedforsecurity=False).hexdigest()
     key = int(digest[:16], 16) - _BIGINT_MAX
     if key > _BIGINT_MAX:
@@ -52,18 +57,26 @@ def lock_fields_to_key(classid: int, objid: int) -> int:
 
 
 def check_key(key: int) -> int:
-    """Return ``key`` if it fits a Postgres bigint, else raise ValueError."""
+    """Return ``key`` if it fits a Postgres bigint.
+
+    Raises LockArgumentTypeError for anything but an int (a bool too: ``True``
+    is a mistake, not key 1), LockArgumentError for an int outside 64 bits.
+    """
     if isinstance(key, bool) or not isinstance(key, int):
-        raise TypeError(f"lock key must be an int, not {type(key).__name__}")
+        raise LockArgumentTypeError(f"a lock is a str name or an int key, not {type(key).__name__}")
     if not -(2**63) <= key <= _BIGINT_MAX:
-        raise ValueError(f"lock key {key} is outside the signed 64-bit range")
+        raise LockArgumentError(f"lock key {key} is outside the signed 64-bit range")
     return key
 
 
 def check_lock_name(name: str) -> str:
-    """Return ``name`` if it can name a lock, else raise LockNameError saying why."""
+    """Return ``name`` if it can name a lock.
+
+    Raises LockArgumentTypeError for anything but a str, LockNameError for a
+    name Postgres cannot carry (empty, or holding a NUL).
+    """
     if not isinstance(name, str):
-        raise LockNameError(f"a lock name must be a str, not {type(name).__name__}")
+        raise LockArgumentTypeError(f"a lock name must be a str, not {type(name).__name__}")
     if not name:
         raise LockNameError("a lock name may not be empty")
     if "\x00" in name:
@@ -72,15 +85,22 @@ def check_lock_name(name: str) -> str:
 
 
 def check_timeout(timeout: float | None) -> float | None:
-    """Return a wait timeout in seconds if Postgres can apply it, else raise ValueError."""
+    """Return a wait timeout in seconds if Postgres can apply it.
+
+    Raises LockArgumentTypeError for anything but an int or float (a
+    ``timedelta``, a str, a bool), LockArgumentError for a negative, NaN or
+    too long one.
+    """
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise ValueError(f"lock timeout must be a number of seconds, not {timeout!r}")
+        raise LockArgumentTypeError(
+            f"lock timeout must be a number of seconds (int or float) or None, not {timeout!r}"
+        )
     if math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"lock timeout must be 0 or more seconds, got {timeout!r}")
+        raise LockArgumentError(f"lock timeout must be 0 or more seconds, got {timeout!r}")
     if timeout > MAX_TIMEOUT:
-        raise ValueError(
+        raise LockArgumentError(
             f"lock timeout must be at most {MAX_TIMEOUT:.0f} s (Postgres' lock_timeout), "
             f"got {timeout!r}; use None to wait without a bound"
         )

@@ -13,15 +13,19 @@ import functools
 import inspect
 import logging
 import os
+import re
+import string
 import warnings
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from typing import Any, ClassVar
 
 import psycopg
-from celery import Task, signals
+from celery import Celery, Task, signals, states
+from celery.canvas import _chain, chord, group, maybe_signature
 
 from .config import PglockConfig, get_config
+from .dsn import parse_dsn
 from .exceptions import (
     ConfigurationError,
     LockLost,
@@ -59,6 +63,85 @@ def _events_flag_to_conf(conf: Any = None, options: Any = None, **_: Any) -> Non
     """
     if conf is not None and options and options.get("task_events"):
         conf.worker_send_task_events = True
+
+
+def configuration_problems(app: Celery) -> list[str]:
+    """Return what is wrong with ``app``'s pglock settings and TenantLockedTask options.
+
+    Each problem names the setting as written, or the task and its option, and
+    why; an empty list means every call can at least resolve its lock. Found
+    without any call, as a worker starts (see ``_refuse_to_start``). An absent
+    or malformed ``pglock_dsn`` is left to the first lock, which fails closed
+    saying why (never quoting the DSN): the worker's calls report it.
+    """
+    problems: list[str] = []
+    try:
+        get_config(app)
+    except ConfigurationError as exc:
+        problems.append(str(exc))
+    for task in app.tasks.values():
+        if isinstance(task, TenantLockedTask):
+            problems.extend(task.configuration_problems())
+    return problems
+
+
+@signals.worker_init.connect
+def _refuse_to_start(sender: Any = None, **_: Any) -> None:
+    """Stop a worker whose pglock settings or task options are invalid, before its pool starts.
+
+    ``worker_init`` is sent in the worker's main process once every task module
+    is imported (autodiscovered ones too) and before the pool forks. Celery
+    logs and swallows an Exception from a signal handler, not a SystemExit:
+    the worker exits with status 1 and the reasons on stderr (logging is not
+    set up yet).
+    """
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    problems = configuration_problems(app)
+    if problems:
+        reasons = "".join(f"\n  - {problem}" for problem in problems)
+        raise SystemExit(f"pglock-celery: worker {sender.hostname} refuses to start:{reasons}")
+
+
+def _same_database(a: PglockConfig, b: PglockConfig) -> bool:
+    """Whether locks taken with ``a`` and with ``b`` surely live in the same database.
+
+    Advisory locks belong to one database of one server. The DSNs count as the
+    same when libpq resolves them to the same hosts, host addresses, ports,
+    service and database name (order, URI or key=value form, user, password
+    and other options aside). Anything else is doubt, and doubt takes the lock:
+    a server named by address in one DSN and by host name in the other is
+    treated as another database, so an inline call there finds the name held
+    by its own caller, and skips (``"retry"`` retries, ``"wait"`` waits until
+    its ``lock_timeout``).
+    """
+    if a.dsn == b.dsn:
+        return True
+    where_a, where_b = _database_of(a.dsn), _database_of(b.dsn)
+    return where_a is not None and where_a == where_b
+
+
+def _database_of(dsn: str | None) -> tuple[str, ...] | None:
+    """Where libpq takes ``dsn``'s locks, with its defaults (environment, user);
+    None when it cannot be told without connecting."""
+    if not dsn:
+        return None
+    parsed = parse_dsn(dsn)
+    if parsed.problem is not None:
+        return None
+    params, env = parsed.params, os.environ
+    user = params.get("user") or env.get("PGUSER") or ""
+    dbname = params.get("dbname") or env.get("PGDATABASE") or user
+    if not dbname:
+        return None  # the operating system's user name: left to libpq
+    return (
+        params.get("host") or env.get("PGHOST", ""),
+        params.get("hostaddr") or env.get("PGHOSTADDR", ""),
+        params.get("port") or env.get("PGPORT") or "5432",
+        params.get("service") or env.get("PGSERVICE", ""),
+        dbname,
+    )
 
 
 #: Options of other lock libraries (celery-once, celery-singleton) that mean nothing
@@ -100,10 +183,11 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         config = get_config(self.app)
         config.require_dsn()
         outer = current_lock()
-        if outer is not None and outer.name == name:
-            # Called inline by the body that holds this very lock (apply(), a
-            # direct call): it runs under that hold. Other threads, greenlets
-            # and processes have their own context and still exclude.
+        if outer is not None and outer.name == name and _same_database(outer.config, config):
+            # Called inline by the body that holds this very lock in this very
+            # database (apply(), a direct call): it runs under that hold. Other
+            # threads, greenlets and processes have their own context and still
+            # exclude; a call whose lock lives in another database takes it there.
             call_token = _this_call.set(None)
             try:
                 return super().__call__(*args, **kwargs)
@@ -178,18 +262,32 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         holds the lock, or the retry would be skipped by its own lock. Only the
         lock of the call that retries is released, never a caller's.
         """
+        self._release_before_handing_on("retrying")
+        return super().retry(*args, **kwargs)
+
+    def on_replace(self, sig: Any) -> Any:
+        """Release this call's lock, then send the replacement as Celery does.
+
+        Celery publishes the replacement here (``self.replace()``): like a
+        retry, it must not find its own lock still held by this call. Only the
+        lock of the call that is replaced is released, never a caller's.
+        """
+        self._release_before_handing_on("replacing")
+        return super().on_replace(sig)
+
+    def _release_before_handing_on(self, doing: str) -> None:
         lock = _this_call.get()
         if lock is not None and lock.acquired:
             try:
                 lock.release()
             except LockLost as lost:
                 logger.warning(
-                    "%s (before retrying task %s)",
+                    "%s (before %s task %s)",
                     lost,
+                    doing,
                     self.name,
                     extra={"lock": lock.label, "task_id": self.request.id},
                 )
-        return super().retry(*args, **kwargs)
 
     def on_lock_skipped(
         self,
@@ -299,6 +397,70 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             return None
         return {name: values[name] for name in parameters if name in values}
 
+    def configuration_problems(self) -> list[str]:
+        """Return what is wrong with this task's lock options, each naming task and option."""
+        problems: list[str] = []
+        checks: tuple[Callable[[], object], ...] = (
+            self._checked_mode,
+            self._checked_timeout,
+            self._checked_countdown,
+            self._checked_template,
+        )
+        for check in checks:
+            try:
+                check()
+            except ConfigurationError as exc:
+                problems.append(str(exc))
+        return problems
+
+    def _checked_countdown(self) -> None:
+        countdown = self.lock_retry_countdown
+        if countdown is None:
+            return
+        if (
+            isinstance(countdown, bool)
+            or not isinstance(countdown, (int, float))
+            or not (countdown > 0)
+        ):
+            raise ConfigurationError(
+                f"task {self.name}: lock_retry_countdown must be a number of seconds above 0 "
+                f"or None, not {countdown!r}"
+            )
+
+    def _checked_template(self) -> None:
+        """Refuse a lock_name that no call could resolve: a field naming an argument the
+        task cannot take (no such parameter, no ``**kwargs``), a positional field, bad syntax."""
+        spec = inspect.getattr_static(self, "lock_name")
+        if isinstance(spec, (staticmethod, classmethod)) or callable(spec):
+            return
+        if not isinstance(spec, str):
+            raise ConfigurationError(
+                f"task {self.name}: lock_name must be a str.format template or a callable, "
+                f"not {type(spec).__name__}"
+            )
+        parameters = self._run_signature.parameters.values()
+        any_name = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+        names = [p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        try:
+            fields = _template_fields(spec)
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"task {self.name}: lock_name {spec!r} is not a valid template: {exc}"
+            ) from None
+        for field in fields:
+            argument = _FIELD_ARGUMENT.match(field)
+            if argument is None or argument.group().isdigit():
+                raise ConfigurationError(
+                    f"task {self.name}: lock_name {spec!r} has a positional field "
+                    f"{{{field}}}: name the argument it stands for"
+                )
+            if not any_name and argument.group() not in names:
+                raise ConfigurationError(
+                    f"task {self.name}: lock_name {spec!r} names argument "
+                    f"{argument.group()!r}, which the task cannot take (its parameters: "
+                    f"{', '.join(names) or 'none'})"
+                )
+
     def _checked_mode(self) -> str:
         if self.lock_mode not in LOCK_MODES:
             raise ConfigurationError(
@@ -310,7 +472,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
     def _checked_timeout(self) -> float | None:
         try:
             return check_timeout(self.lock_timeout)
-        except ValueError as exc:
+        except PglockError as exc:
             raise ConfigurationError(f"task {self.name}: lock_timeout: {exc}") from None
 
     def _lock_busy(
@@ -324,7 +486,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         name = lock.label
         holder = lock.holder() if config.report_holder else None
         holder_info = holder.as_dict() if holder is not None else None
-        shown = holder.application_name if holder is not None else "unknown"
+        shown = holder.describe() if holder is not None else "unknown"
         # Close the session before anything is published: it holds nothing.
         lock.release()
         extra = {"lock": name, "task_id": self.request.id, "holder": holder_info}
@@ -364,9 +526,38 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         # The call ends SUCCESS with its skip result, and what was to follow it
         # (the rest of its chain, its link callbacks) does not run: the holder's
         # step is the one that counts. Membership of a group or chord is kept.
+        skipped = self.on_lock_skipped(name, holder_info, args, kwargs)
+        self._answer_what_follows(skipped)
         self.request.chain = None
         self.request.callbacks = None
-        return self.on_lock_skipped(name, holder_info, args, kwargs)
+        return skipped
+
+    def _answer_what_follows(self, skipped: Any) -> None:
+        """Store the skip result as the result of every call that was to follow this one.
+
+        Those calls never run, and a caller waiting on any of them (a chain's
+        ``get()`` waits on its last step) would wait forever: each ends SUCCESS
+        with this call's skip result instead, as if it had skipped too.
+        """
+        following: list[Any] = [*(self.request.chain or ()), *(self.request.callbacks or ())]
+        task_ids = dict.fromkeys(
+            task_id
+            for sig in following
+            for task_id in _frozen_ids(maybe_signature(sig, app=self.app))
+        )
+        for task_id in task_ids:
+            try:
+                self.backend.store_result(task_id, skipped, states.SUCCESS)
+            except Exception as exc:
+                logger.warning(
+                    "task %s[%s] skipped: could not store its skip result for %s, which "
+                    "was to follow it: %s",
+                    self.name,
+                    self.request.id,
+                    task_id,
+                    exc,
+                    extra={"task_id": self.request.id, "following": task_id},
+                )
 
     def _lock_lost(
         self,
@@ -416,3 +607,37 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
                 exc,
                 extra={"task_id": task_id, **fields},
             )
+
+
+#: The argument a template field starts with: ``tenant`` in ``{tenant.id[0]!r:>8}``.
+_FIELD_ARGUMENT = re.compile(r"[^.\[]+")
+
+
+def _template_fields(template: str) -> list[str]:
+    """Return the field names of a ``str.format`` template, nested ones too.
+
+    Raises ValueError for a template ``str.format`` cannot parse.
+    """
+    fields: list[str] = []
+    for _, field, spec, _ in string.Formatter().parse(template):
+        if field is not None:
+            fields.append(field)
+        if spec:
+            fields.extend(_template_fields(spec))
+    return fields
+
+
+def _frozen_ids(sig: Any) -> list[str]:
+    """Every task id a caller may wait on in ``sig``: its own, its members' (chains,
+    groups, a chord's header and body) and its callbacks', where already frozen."""
+    if sig is None:
+        return []
+    members: list[Any] = []
+    if isinstance(sig, chord):
+        members = [*sig.tasks, sig.body]
+    elif isinstance(sig, (_chain, group)):
+        members = list(sig.tasks)
+    members += sig.options.get("link") or []
+    ids = [task_id for member in members for task_id in _frozen_ids(maybe_signature(member))]
+    task_id = sig.options.get("task_id")
+    return [*ids, task_id] if isinstance(task_id, str) else ids

@@ -1,12 +1,16 @@
 """`make run`: the orchestrator on one machine, with a live view and a summary.
 
-Finds Postgres and Redis (PGLOCK_DSN / ORCH_BROKER_URL or --broker, else the
-local defaults, else embedded servers), applies the schema in its own Postgres
-schema, seeds tenants, starts worker replicas, beat and Flower, waits until each
-one is up (a component that does not start ends the run with status 1), and
-shows each tenant's stage, holder and skips, each replica's steps and skips, and
-the cycles completed. On exit it stops everything it started and prints a
-summary with the skips and the overlap check of the step history (expected: 0).
+It touches nothing of the user's. Postgres: the server of PGLOCK_DSN, else the
+local default, else an embedded one; on it a database of the demo's own
+(``--database``, ``pglock_demo``, created when missing), and in that database a
+schema it made (``--schema``; one it did not make is never dropped). Redis: the
+broker and result URLs given (``--broker``, ORCH_BROKER_URL, ORCH_RESULT_BACKEND),
+else a database of its own, never 0, on the local or an embedded Redis. It seeds
+tenants, starts worker replicas, beat and Flower, waits until each one is up (a
+component that does not start ends the run with status 1), and shows each
+tenant's stage, holder and skips, each replica's steps and skips, and the cycles
+completed. On exit it stops everything it started and prints a summary with the
+skips and the overlap check of the step history (expected: 0).
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
+import redis
 from celery import Celery
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from pglock_celery.dsn import describe_target
@@ -48,6 +55,17 @@ FAST_CLOCK = {
 }
 #: Seconds a component may take to come up before the run gives up on it.
 START_TIMEOUT = 60.0
+#: The comment on a database and a schema that `make run` created: only those it
+#: ever drops or resets.
+OWNER_MARK = "created by pglock-celery make run"
+#: Marks a Redis database as the demo's; one without it is used only when empty.
+REDIS_MARK_KEY = "pglock-demo:owner"
+#: Redis databases the demo may take, highest first (the tests take them lowest first).
+REDIS_DATABASES = range(15, 0, -1)
+
+
+class NotOurs(Exception):
+    """Something the run would have to change belongs to someone else."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -74,13 +92,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--beats", type=int, default=1, help="beat processes (1; 2 shows a duplicated schedule)"
     )
-    parser.add_argument("--schema", default="orchestrator", help="Postgres schema to use")
+    parser.add_argument(
+        "--database",
+        default="pglock_demo",
+        help="the demo's own Postgres database on the server found (pglock_demo), created "
+        "when missing",
+    )
+    parser.add_argument(
+        "--schema", default="orchestrator", help="Postgres schema in it, made afresh by the run"
+    )
+    parser.add_argument(
+        "--redis-db",
+        type=int,
+        default=None,
+        help="the Redis database of the demo's own (default: the highest of 15 to 1 that is "
+        "empty or already the demo's); not used when a broker URL is given",
+    )
     parser.add_argument("--plain", action="store_true", help="status lines, not a live view")
     args = parser.parse_args(argv)
     if min(args.tenants, args.replicas, args.concurrency, args.beats) < 1:
         parser.error("--tenants, --replicas, --concurrency and --beats must be at least 1")
-    if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", args.schema):
-        parser.error(f"--schema {args.schema!r}: use lowercase letters, digits and _")
+    for option, value in (("--schema", args.schema), ("--database", args.database)):
+        if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", value):
+            parser.error(f"{option} {value!r}: use lowercase letters, digits and _")
+    if args.redis_db is not None and not 1 <= args.redis_db <= 15:
+        parser.error("--redis-db must be 1 to 15 (0 is left to the user)")
     return args
 
 
@@ -90,12 +126,72 @@ def schema_dsn(base_dsn: str, schema: str) -> str:
     return make_conninfo(base_dsn, options=f"{options} -c search_path={schema}".strip())
 
 
+def demo_database(server_dsn: str, name: str) -> str:
+    """The DSN of database ``name`` on ``server_dsn``'s server, created when missing."""
+    if conninfo_to_dict(server_dsn).get("dbname") == name:
+        return server_dsn
+    with psycopg.connect(server_dsn, autocommit=True) as conn:
+        found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+        if found is None:
+            database = sql.Identifier(name)
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(database))
+            conn.execute(
+                sql.SQL("COMMENT ON DATABASE {} IS {}").format(database, sql.Literal(OWNER_MARK))
+            )
+            print(f"make run: created the database {name}", flush=True)
+    return make_conninfo(server_dsn, dbname=name)
+
+
 def prepare_database(base_dsn: str, schema: str) -> str:
-    """Start from an empty schema of our own; return the DSN that uses it."""
-    with psycopg.connect(base_dsn, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-        conn.execute(f"CREATE SCHEMA {schema}")
+    """Start from an empty schema of our own; return the DSN that uses it.
+
+    A schema of that name that the run did not make is left alone (NotOurs).
+    """
+    with psycopg.connect(base_dsn, autocommit=True) as conn, conn.transaction():
+        row = conn.execute(
+            "SELECT obj_description(oid, 'pg_namespace') FROM pg_namespace WHERE nspname = %s",
+            (schema,),
+        ).fetchone()
+        if row is not None and row[0] != OWNER_MARK:
+            database = conn.info.dbname
+            raise NotOurs(
+                f"the schema {schema} in the database {database} was not made by make run: "
+                "it is left as it is; pass another --schema (or --database)"
+            )
+        name = sql.Identifier(schema)
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(name))
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(name))
+        conn.execute(sql.SQL("COMMENT ON SCHEMA {} IS {}").format(name, sql.Literal(OWNER_MARK)))
     return schema_dsn(base_dsn, schema)
+
+
+def with_db(url: str, db: int) -> str:
+    """A Redis URL with its database number replaced."""
+    return urlunsplit(urlsplit(url)._replace(path=f"/{db}"))
+
+
+def demo_redis(server_url: str, wanted: int | None) -> str:
+    """A Redis database of the demo's own on ``server_url``'s server: its URL.
+
+    Taken when it is empty or marked as the demo's (the mark is set atomically, so
+    a test run claiming the same database at once sees it taken); never 0.
+    """
+    for db in [wanted] if wanted is not None else REDIS_DATABASES:
+        client = redis.Redis.from_url(with_db(server_url, db))
+        try:
+            fresh = client.set(REDIS_MARK_KEY, "make run", nx=True)
+            if fresh and client.dbsize() != 1:
+                client.delete(REDIS_MARK_KEY)  # someone else's keys: not ours to use
+                continue
+            if fresh or client.get(REDIS_MARK_KEY) == b"make run":
+                return with_db(server_url, db)
+        finally:
+            client.close()
+    tried = wanted if wanted is not None else "15 to 1"
+    raise NotOurs(
+        f"no Redis database of the demo's own on {safe_url(server_url)} (tried {tried}): each "
+        "holds someone else's keys; pass --redis-db N, or --broker URL to use one you choose"
+    )
 
 
 @dataclass
@@ -227,15 +323,22 @@ def main(argv: list[str] | None = None) -> int:
     logs = work / "logs"
     logs.mkdir()
     with contextlib.ExitStack() as stack:
-        base_dsn = stack.enter_context(postgres_service(work / "postgres", "PGLOCK_DSN"))
+        server_dsn = stack.enter_context(postgres_service(work / "postgres", "PGLOCK_DSN"))
         # Results and skip counters live on Redis, whatever the broker.
         results = os.environ.get("ORCH_RESULT_BACKEND", "")
         if not results and os.environ.get("ORCH_BROKER_URL", "").startswith("redis"):
             results = os.environ["ORCH_BROKER_URL"]
-        if not results:
-            results = stack.enter_context(redis_service(work / "redis", "ORCH_RESULT_BACKEND"))
-        broker = args.broker or results
-        dsn = prepare_database(base_dsn, args.schema)
+        try:
+            if not results:
+                server_url = stack.enter_context(
+                    redis_service(work / "redis", "ORCH_RESULT_BACKEND")
+                )
+                results = demo_redis(server_url, args.redis_db)
+            broker = args.broker or results
+            dsn = prepare_database(demo_database(server_dsn, args.database), args.schema)
+        except NotOurs as exc:
+            print(f"make run: {exc}", file=sys.stderr)
+            return 2
         env = {
             "PGLOCK_DSN": dsn,
             "ORCH_BROKER_URL": broker,

@@ -226,3 +226,35 @@ def stuck(tenant_id: str, table: str) -> None:
 def collect(results: list[Any]) -> list[Any]:
     """A chord body: what its header's calls returned."""
     return results
+
+
+class ReplacedAfterward(TenantLockedTask):
+    """Publishes its replacement, then stays in its body until the replacement has a result
+    (30 s at most): the replacement can only run if the lock was given up before it was sent."""
+
+    def on_replace(self, sig):  # type: ignore[no-untyped-def]
+        try:
+            return super().on_replace(sig)
+        except Ignore:
+            # The replacement carries this call's task id: its result is the one awaited.
+            replacement = self.AsyncResult(self.request.id)
+            deadline = time.monotonic() + 30
+            while not replacement.ready() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            raise
+
+
+@app.task(base=ReplacedAfterward, bind=True)
+def replace_self(
+    self: TenantLockedTask, tenant_id: str, table: str, stage: str = "first"
+) -> dict[str, Any]:
+    """Replace itself with its second stage, under the same lock."""
+    if stage == "first":
+        return self.replace(replace_self.si(tenant_id, table, "second"))
+    return {**_run(table, 0), "stage": stage}
+
+
+@app.task
+def after(previous: Any, label: str = "after") -> dict[str, Any]:
+    """A chain's next step: what the step before it returned."""
+    return {label: previous}

@@ -27,12 +27,19 @@ def _has_user(name: str) -> bool:
 
 @contextlib.contextmanager
 def pgbouncer(
-    pg_dsn: str, tmp_path: Path, *, mode: str, ignore_options: bool = False
+    pg_dsn: str,
+    tmp_path: Path,
+    *,
+    mode: str,
+    ignore_options: bool = False,
+    reset_query: str | None = None,
 ) -> Iterator[str]:
     """Run PgBouncer (``mode``: session or transaction) and yield a DSN through it.
 
     ``ignore_options`` sets ``ignore_startup_parameters = options``, a common
     setting that makes PgBouncer drop the client's startup options silently.
+    ``reset_query`` sets ``server_reset_query`` (PgBouncer's default: DISCARD ALL;
+    ``""`` turns the reset off).
     """
     binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
     if not Path(binary).exists():
@@ -40,14 +47,16 @@ def pgbouncer(
     params = psycopg.conninfo.conninfo_to_dict(pg_dsn)
     port = free_port()
     (tmp_path / "users.txt").write_text(f'"{params.get("user", "postgres")}" ""\n')
-    ignore = "ignore_startup_parameters = options\n" if ignore_options else ""
+    extra = "ignore_startup_parameters = options\n" if ignore_options else ""
+    if reset_query is not None:
+        extra += f"server_reset_query = {reset_query}\n"
     (tmp_path / "pgbouncer.ini").write_text(
         "[databases]\n"
         f"* = host={params.get('host', '127.0.0.1')} port={params.get('port', 5432)}\n"
         "[pgbouncer]\n"
         f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
         f"auth_type = trust\nauth_file = {tmp_path / 'users.txt'}\n"
-        f"pool_mode = {mode}\ndefault_pool_size = 4\n{ignore}"
+        f"pool_mode = {mode}\ndefault_pool_size = 4\n{extra}"
     )
     tmp_path.chmod(0o755)
     command = [binary, str(tmp_path / "pgbouncer.ini")]

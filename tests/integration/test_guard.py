@@ -564,7 +564,12 @@ def test_install_again_is_a_no_op_that_takes_no_lock_on_a_busy_table(
     admin: psycopg.Connection, table: str, tenants: list[str], pg_dsn: str
 ) -> None:
     before = guard_objects(admin, table)
-    assert [row[0] for row in before] == ["zz_pglock_guard", "zz_pglock_guard_truncate"]
+    assert [row[0] for row in before] == [
+        "zz_pglock_guard",
+        "zz_pglock_guard_stored_insert",
+        "zz_pglock_guard_stored_update",
+        "zz_pglock_guard_truncate",
+    ]
     with psycopg.connect(pg_dsn) as busy:  # a writer in a long transaction
         busy.execute("SET LOCAL pglock.guard = off")
         busy.execute(bump(table), (tenants[0],))
@@ -603,7 +608,7 @@ def test_install_with_another_template_replaces_the_guard_in_place(
     with try_lock(f"other:{tenants[0]}", dsn=pg_dsn) as lock:
         lock.connection.execute(bump(table), (tenants[0],))
     assert rows(admin, table)[tenants[0]] == 1
-    assert len(guard_objects(admin, table)) == 2
+    assert len(guard_objects(admin, table)) == 4
 
 
 def test_a_disabled_guard_is_listed_so_and_enabled_again_by_install(

@@ -1,4 +1,6 @@
-"""`make run` as a user runs it: contention shows as skips, and a broken start fails the run."""
+"""`make run` as a user runs it: contention shows as skips, a broken start fails the run,
+and it works in a Postgres and a Redis database of its own, installing only the demo's
+packages."""
 
 from __future__ import annotations
 
@@ -14,15 +16,21 @@ from pathlib import Path
 import psycopg
 import pytest
 import redis
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tasks import fleet
 from tasks.celery_app import app as tasks_app
 from tasks.pipeline import skip_keys
-from tasks.run import Fleet, FlowerSite, wait_until_up
+from tasks.run import OWNER_MARK, REDIS_MARK_KEY, Fleet, FlowerSite, wait_until_up
 from tests.helpers.rabbitmq import delete_queues, rabbitmq_for_tests
 from tests.helpers.services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def database_of(dsn: str) -> str:
+    return str(conninfo_to_dict(dsn)["dbname"])
 
 
 @pytest.fixture
@@ -69,7 +77,10 @@ def test_a_fast_30_second_run_skips_and_never_overlaps(
     pg_dsn: str, broker_url: str, schema: str
 ) -> None:
     """The README's `make run ARGS="--fast --duration 30 --plain"`, on the tests' services."""
-    args = f"--fast --duration 30 --plain --schema {schema} --flower-port {free_port()}"
+    args = (
+        f"--fast --duration 30 --plain --schema {schema} --database {database_of(pg_dsn)}"
+        f" --flower-port {free_port()}"
+    )
     done = make_run(args, {"PGLOCK_DSN": pg_dsn, "ORCH_BROKER_URL": broker_url}, 180)
     assert_healthy_with_skips(done)
     # Skips per replica: every replica's count is in the summary.
@@ -83,7 +94,10 @@ def test_a_run_with_flowers_port_taken_fails_naming_the_port(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        args = f"--fast --duration 30 --plain --schema {schema} --flower-port {port}"
+        args = (
+            f"--fast --duration 30 --plain --schema {schema} --database {database_of(pg_dsn)}"
+            f" --flower-port {port}"
+        )
         done = make_run(args, {"PGLOCK_DSN": pg_dsn, "ORCH_BROKER_URL": broker_url}, 60)
     print(done.stderr)
     assert done.returncode != 0
@@ -120,8 +134,8 @@ def test_make_run_on_rabbitmq(
     """`--broker amqp://...`: steps go through RabbitMQ; results and counters stay on Redis."""
     with rabbitmq_for_tests(tmp_path_factory.mktemp("rabbitmq")) as amqp:
         args = (
-            f"--fast --duration 20 --plain --schema {schema} --flower-port {free_port()}"
-            f" --broker {amqp}"
+            f"--fast --duration 20 --plain --schema {schema} --database {database_of(pg_dsn)}"
+            f" --flower-port {free_port()} --broker {amqp}"
         )
         try:
             done = make_run(args, {"PGLOCK_DSN": pg_dsn, "ORCH_BROKER_URL": broker_url}, 180)
@@ -129,3 +143,96 @@ def test_make_run_on_rabbitmq(
             delete_queues(amqp, f"pipelines-{schema}")
     assert_healthy_with_skips(done)
     assert re.search(r"broker amqp://guest:\*\*\*\*@", done.stdout), done.stdout[:500]
+
+
+def test_make_run_installs_only_the_demos_packages() -> None:
+    """The run target's install: the demo's extras, no test tools, no apt packages."""
+    plan = subprocess.run(
+        ["make", "--no-print-directory", "-n", "-W", "pyproject.toml", "run"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    installs = [line for line in plan.splitlines() if "pip install" in line]
+    assert installs, plan
+    assert all(".[redis,binary,run]'" in line for line in installs), installs
+    assert "test" not in "".join(installs) and "apt-get" not in plan, plan
+
+
+@pytest.fixture
+def demo_database(pg_server: str) -> Iterator[str]:
+    """A name for the run's own database (the run creates it); dropped afterwards."""
+    name = f"pglock_demo_{uuid.uuid4().hex[:8]}"
+    yield name
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+
+
+def test_a_run_works_in_databases_of_its_own(
+    pg_server: str, demo_database: str, schema: str, redis_server: str
+) -> None:
+    """Given only a server, the run creates its database there and takes a Redis db but 0."""
+    env = {"PGLOCK_DSN": pg_server, "ORCH_BROKER_URL": "", "ORCH_RESULT_BACKEND": ""}
+    args = (
+        f"--fast --duration 8 --plain --tenants 4 --replicas 1 --schema {schema}"
+        f" --database {demo_database} --flower-port {free_port()}"
+    )
+    done = make_run(args, env, 180)
+    print(done.stdout[-1500:], done.stderr[-1500:])
+    found = re.search(r"results (redis://\S+/(\d+)),", done.stdout)
+    assert found, done.stdout[:2000]
+    results, db = found[1], int(found[2])
+    try:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert f"created the database {demo_database}" in done.stdout
+        assert db != 0
+        with psycopg.connect(pg_server, autocommit=True) as conn:
+            comment = conn.execute(
+                "SELECT shobj_description(oid, 'pg_database') FROM pg_database WHERE datname = %s",
+                (demo_database,),
+            ).fetchone()
+            in_server_db = conn.execute(
+                "SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)
+            ).fetchone()
+        assert comment == (OWNER_MARK,)
+        assert in_server_db is None, "the run made its schema in the server's own database"
+        with psycopg.connect(make_conninfo(pg_server, dbname=demo_database)) as conn:
+            tenants = conn.execute(
+                sql.SQL("SELECT count(*) FROM {}.tenants").format(sql.Identifier(schema))
+            ).fetchone()
+        assert tenants == (4,)
+        if redis_server.startswith("redis://127.0.0.1:6379"):  # the same server as the run's
+            zero = redis.Redis.from_url(redis_server.rsplit("/", 1)[0] + "/0")
+            assert not zero.exists(*skip_keys(f"pipelines-{schema}"))
+            assert redis.Redis.from_url(results).get(REDIS_MARK_KEY) == b"make run"
+    finally:
+        own = redis.Redis.from_url(results)
+        own.delete(*skip_keys(f"pipelines-{schema}"))
+        for key in own.scan_iter(f"*pipelines-{schema}*"):
+            own.delete(key)
+
+
+def test_a_schema_the_run_did_not_make_is_never_dropped(pg_dsn: str, broker_url: str) -> None:
+    """A schema of the same name made by someone else: the run stops, the schema stays."""
+    name = f"users_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("CREATE TABLE {}.keep (x int)").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("INSERT INTO {}.keep VALUES (42)").format(sql.Identifier(name)))
+    try:
+        args = (
+            f"--fast --duration 5 --plain --schema {name} --database {database_of(pg_dsn)}"
+            f" --flower-port {free_port()}"
+        )
+        done = make_run(args, {"PGLOCK_DSN": pg_dsn, "ORCH_BROKER_URL": broker_url}, 120)
+        print(done.stderr)
+        assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+        assert f"the schema {name}" in done.stderr and "not made by make run" in done.stderr
+        with psycopg.connect(pg_dsn) as conn:
+            kept = conn.execute(
+                sql.SQL("SELECT x FROM {}.keep").format(sql.Identifier(name))
+            ).fetchall()
+        assert kept == [(42,)]
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))

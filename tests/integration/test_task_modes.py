@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
 from celery import Celery
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from pglock_celery import (
     LockLost,
@@ -28,8 +31,10 @@ from pglock_celery import (
 )
 from pglock_celery.config import PglockConfig
 from pglock_celery.inspect import find_holder
+from pglock_celery.keys import key_to_lock_fields
 from pglock_celery.lock import AdvisoryLock
 from pglock_celery.sources import registry
+from tests.helpers.services import own_database
 
 
 @pytest.fixture(autouse=True)
@@ -309,20 +314,43 @@ def test_a_skip_is_logged_with_its_holder_and_the_call(
     def step(tenant: str) -> str:
         return "ran"
 
-    with try_lock(f"t:{run_id}", dsn=pg_dsn) as held, caplog.at_level("INFO"):
+    holder_task = str(uuid.uuid4())
+    held = AdvisoryLock(f"t:{run_id}", config=PglockConfig(dsn=pg_dsn), task_id=holder_task)
+    with held, caplog.at_level("INFO"):
+        assert held.acquired
         result = step.apply((run_id,))
-        shown = admin(
-            pg_dsn,
-            "SELECT application_name FROM pg_stat_activity WHERE pid = %s",
-            (held.connection.info.backend_pid,),
-        )
+        backend = held.connection.info.backend_pid
     [record] = [r for r in caplog.records if r.getMessage().endswith("skipped")]
-    holder = shown if report else "unknown"
+    # The holder's task id whole, as in the result (grep finds one in the other).
+    holder = (
+        f"task {holder_task} (process {os.getpid()} on {socket.gethostname()}, backend {backend})"
+        if report
+        else "unknown"
+    )
     assert record.getMessage() == (
         f"lock t:{run_id} is held by {holder}: task {step.name}[{result.id}] skipped"
     )
     assert (record.lock, record.task_id) == (f"t:{run_id}", result.id)  # type: ignore[attr-defined]
     assert record.holder == result.result["holder"]  # type: ignore[attr-defined]
+    if report:
+        assert result.result["holder"]["task_id"] == holder_task
+
+
+def test_a_skip_names_a_holder_without_a_task_by_its_process(
+    eager_app: Celery, pg_dsn: str, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> str:
+        return "ran"
+
+    with try_lock(f"t:{run_id}", dsn=pg_dsn) as held, caplog.at_level("INFO"):
+        step.apply((run_id,))
+        backend = held.connection.info.backend_pid
+    [record] = [r for r in caplog.records if r.getMessage().endswith("skipped")]
+    assert record.getMessage().startswith(
+        f"lock t:{run_id} is held by process {os.getpid()} on {socket.gethostname()}"
+        f" (backend {backend}): "
+    )
 
 
 # The call's own options reach the lock -----------------------------------------------------
@@ -443,14 +471,15 @@ def test_a_retry_while_held_is_logged_with_its_countdown(
     def step(tenant: str) -> str:
         return "ran"
 
-    with try_lock(f"t:{run_id}", dsn=pg_dsn) as held, caplog.at_level("INFO"):
+    holder_task = str(uuid.uuid4())
+    held = AdvisoryLock(f"t:{run_id}", config=PglockConfig(dsn=pg_dsn), task_id=holder_task)
+    with held, caplog.at_level("INFO"):
         result = step.apply((run_id,))
-        shown = admin(
-            pg_dsn,
-            "SELECT application_name FROM pg_stat_activity WHERE pid = %s",
-            (held.connection.info.backend_pid,),
-        )
+        backend = held.connection.info.backend_pid
     [record] = [r for r in caplog.records if "retries in" in r.getMessage()]
+    shown = (
+        f"task {holder_task} (process {os.getpid()} on {socket.gethostname()}, backend {backend})"
+    )
     assert record.getMessage() == (
         f"lock t:{run_id} is held by {shown}: task {step.name}[{result.id}] retries in 0.25 s"
     )
@@ -506,3 +535,147 @@ def test_on_lost_terminate_ends_the_process_with_status_70(
     _, status = os.waitpid(child, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 70, (status, log)
     assert f"so that task {step.name}[task-{run_id}] stops" in log
+
+
+# An inline call of a task of another app: re-entrant only in the same database -------------
+
+
+@pytest.fixture
+def other_database(pg_server: str, pg_dsn: str) -> Iterator[str]:
+    """A second database on the run's server: another app's lock database."""
+    with own_database(pg_server) as dsn:
+        assert conninfo_to_dict(dsn)["dbname"] != conninfo_to_dict(pg_dsn)["dbname"], (
+            "no right to create a second database"
+        )
+        yield dsn
+
+
+STRATEGIES = ["reuse", "connect", "shared"]
+
+
+def app_on(dsn: str, strategy: str) -> Celery:
+    app = Celery("elsewhere", set_as_current=False, broker="memory://", backend="cache+memory://")
+    app.conf.update(pglock_dsn=dsn, pglock_strategy=strategy, task_store_eager_result=True)
+    return app
+
+
+def key_holders(dsn: str, name: str) -> int:
+    """How many sessions hold ``name``'s key in ``dsn``'s database."""
+    classid, objid = key_to_lock_fields(lock_key(name))
+    return int(
+        admin(
+            dsn,
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND classid = %s AND objid = %s AND objsubid = 1"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            (classid, objid),
+        )
+    )
+
+
+def nested_pair(outer_app: Celery, inner_dsn: str, strategy: str) -> tuple[Any, Any]:
+    """A task on ``outer_app`` calling inline a task of an app on ``inner_dsn``, same lock
+    name, both locking with ``strategy``."""
+    tag = uuid.uuid4().hex[:8]
+    outer_app.conf.pglock_strategy = strategy
+
+    @app_on(inner_dsn, strategy).task(
+        base=TenantLockedTask, lock_name="t:{tenant}", shared=False, name=f"inner-{tag}"
+    )
+    def inner(tenant: str) -> Any:
+        lock = current_lock()
+        assert lock is not None
+        return {"lock": lock, "holders_here": key_holders(inner_dsn, f"t:{tenant}")}
+
+    @outer_app.task(
+        base=TenantLockedTask, lock_name="t:{tenant}", shared=False, name=f"outer-{tag}"
+    )
+    def outer(tenant: str) -> Any:
+        answer = inner(tenant)
+        if isinstance(answer, dict) and "holders_here" in answer:
+            answer["under_caller"] = answer.pop("lock") is current_lock()
+        return answer
+
+    return inner, outer
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_inline_call_of_a_task_of_another_database_takes_its_lock_there(
+    eager_app: Celery, pg_dsn: str, other_database: str, run_id: str, strategy: str
+) -> None:
+    _, outer = nested_pair(eager_app, other_database, strategy)
+    assert outer.apply((run_id,)).get() == {"holders_here": 1, "under_caller": False}
+    assert key_holders(other_database, f"t:{run_id}") == 0  # and released it
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_inline_call_of_a_task_of_another_database_skips_when_held_there(
+    eager_app: Celery, pg_dsn: str, other_database: str, run_id: str, strategy: str
+) -> None:
+    _, outer = nested_pair(eager_app, other_database, strategy)
+    other = held_elsewhere(other_database, f"t:{run_id}")
+    try:
+        answer = outer.apply((run_id,)).get()
+    finally:
+        other.close()
+    assert answer["skipped"] is True and answer["lock"] == f"t:{run_id}"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_inline_call_whose_dsn_spells_the_same_database_otherwise_runs_under_its_caller(
+    eager_app: Celery, pg_dsn: str, run_id: str, strategy: str
+) -> None:
+    """Parameters in another order, as a URI, with other options: libpq's same target."""
+    params = conninfo_to_dict(pg_dsn)
+    uri = (
+        f"postgresql://{params.get('user', '')}@{params['host']}:{params.get('port', 5432)}"
+        f"/{params['dbname']}?connect_timeout=7&application_name=other"
+    )
+    if "password" in params:
+        uri += f"&password={params['password']}"
+    for spelling in (uri, make_conninfo("", **dict(reversed(list(params.items()))))):
+        _, outer = nested_pair(eager_app, spelling, strategy)
+        assert outer.apply((run_id,)).get() == {"holders_here": 1, "under_caller": True}
+
+
+@pytest.mark.parametrize("strategy", ["reuse", "connect"])
+def test_an_inline_call_in_doubt_about_its_database_takes_the_lock_and_finds_its_caller(
+    eager_app: Celery, pg_dsn: str, run_id: str, strategy: str
+) -> None:
+    """The same server named by address instead of host name cannot be told apart without
+    asking it: the call takes the lock, sees its caller holding it, and skips. (Not under
+    shared: its skip names no holder, and its caller has no connection to compare.)"""
+    params = conninfo_to_dict(pg_dsn)
+    host = str(params.pop("host", ""))
+    assert host and not host.startswith("/"), f"the test needs Postgres over TCP, not {host!r}"
+    doubtful = make_conninfo("", **params, hostaddr=socket.gethostbyname(host))
+    _, outer = nested_pair(eager_app, doubtful, strategy)
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def caller(tenant: str) -> tuple[Any, int]:
+        lock = current_lock()
+        assert lock is not None
+        return outer.run(tenant), lock.connection.info.backend_pid
+
+    answer, backend = caller.apply((run_id,)).get()
+    assert answer["skipped"] is True
+    assert answer["holder"]["backend_pid"] == backend
+
+
+def test_a_skip_answers_a_frozen_callback_that_will_not_run(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    @eager_app.task(shared=False)
+    def follow(label: str) -> str:
+        return label
+
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> str:
+        return "ran"
+
+    callback = follow.si("after")
+    callback.freeze()
+    with try_lock(f"t:{run_id}", dsn=pg_dsn):
+        skipped = step.apply((run_id,), link=callback).result
+    assert skipped["skipped"] is True
+    assert eager_app.AsyncResult(callback.id).get(timeout=5) == skipped

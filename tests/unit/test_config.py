@@ -39,23 +39,19 @@ def test_environment_is_the_fallback() -> None:
     assert config.report_holder is False
 
 
-def test_bad_value_warns_and_keeps_the_default(caplog: pytest.LogCaptureFixture) -> None:
-    with pytest.warns(RuntimeWarning, match="PGLOCK_CONNECT_TIMEOUT='soon'"):
-        config = load_config({}, environ={"PGLOCK_CONNECT_TIMEOUT": "soon"})
-    assert config.connect_timeout == PglockConfig.connect_timeout
-    assert "PGLOCK_CONNECT_TIMEOUT" in caplog.text
+def test_a_bad_value_is_an_error_naming_the_variable() -> None:
+    with pytest.raises(ConfigurationError, match="PGLOCK_CONNECT_TIMEOUT='soon'"):
+        load_config({}, environ={"PGLOCK_CONNECT_TIMEOUT": "soon"})
 
 
 def test_negative_interval_is_refused() -> None:
-    with pytest.warns(RuntimeWarning, match="greater than 0"):
-        config = load_config({"pglock_server_keepalives_idle": -1}, environ={})
-    assert config.server_keepalives_idle == PglockConfig.server_keepalives_idle
+    with pytest.raises(ConfigurationError, match="greater than 0"):
+        load_config({"pglock_server_keepalives_idle": -1}, environ={})
 
 
 def test_application_name_prefix_may_not_hold_the_separator() -> None:
-    with pytest.warns(RuntimeWarning, match="without '\\|'"):
-        config = load_config({"pglock_application_name": "a|b"}, environ={})
-    assert config.application_name == "pglock"
+    with pytest.raises(ConfigurationError, match="without '\\|'"):
+        load_config({"pglock_application_name": "a|b"}, environ={})
 
 
 def test_missing_dsn_names_the_setting_and_the_variable() -> None:
@@ -144,20 +140,17 @@ class NamespacedSettings:
     CELERY_PGLOCK_CHECK_INTERVAL = "soon"
 
 
-def test_a_bad_value_under_a_namespace_is_named_as_the_user_wrote_it(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_bad_values_under_a_namespace_are_named_as_the_user_wrote_them() -> None:
     app = Celery("ns", set_as_current=False)
     app.config_from_object(NamespacedSettings, namespace="CELERY")
     app.conf.pglock_retry_countdown = "later"
-    with pytest.warns(RuntimeWarning) as warned:
-        config = get_config(app)
-    messages = sorted(str(w.message) for w in warned)
-    assert messages[0].startswith("ignoring CELERY_PGLOCK_CHECK_INTERVAL='soon': ")
-    assert messages[1].startswith("ignoring pglock_retry_countdown='later': ")
-    assert "CELERY_PGLOCK_CHECK_INTERVAL='soon'" in caplog.text
-    assert config.dsn == "dbname=from_django"
-    assert config.check_interval == PglockConfig.check_interval
+    with pytest.raises(ConfigurationError) as raised:
+        get_config(app)
+    assert str(raised.value) == (
+        "invalid settings: CELERY_PGLOCK_CHECK_INTERVAL='soon': could not convert string to"
+        " float: 'soon'; pglock_retry_countdown='later': could not convert string to float:"
+        " 'later'"
+    )
 
 
 def test_a_bad_dsn_value_is_never_shown(caplog: pytest.LogCaptureFixture) -> None:
@@ -166,9 +159,11 @@ def test_a_bad_dsn_value_is_never_shown(caplog: pytest.LogCaptureFixture) -> Non
 
     app = Celery("ns", set_as_current=False)
     app.config_from_object(Settings, namespace="CELERY")
-    with pytest.warns(RuntimeWarning, match=r"^ignoring CELERY_PGLOCK_DSN=<hidden>: ") as warned:
+    with pytest.raises(
+        ConfigurationError, match=r"^invalid setting CELERY_PGLOCK_DSN=<hidden>: "
+    ) as raised:
         get_config(app)
-    assert "hunter2" not in str(warned[0].message)
+    assert "hunter2" not in str(raised.value)
     assert "hunter2" not in caplog.text
 
 

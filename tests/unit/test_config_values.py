@@ -26,6 +26,7 @@ from pglock_celery.config import PglockConfig, get_config, load_config
         ("server_keepalives_count", 7, 7),
         ("on_lost", " Terminate ", "terminate"),
         ("on_lost", "RAISE", "raise"),
+        ("on_lost", "interrupt", "interrupt"),
         ("strategy", " Connect ", "connect"),
         ("strategy", "REUSE", "reuse"),
         ("pooler", " Session ", "session"),
@@ -64,39 +65,37 @@ def test_every_spelling_of_false_is_false(raw: str) -> None:
         ("application_name", "é", "must be 1 to 16 ASCII characters without '|'"),
         ("application_name", "x" * 17, "must be 1 to 16 ASCII characters without '|'"),
         ("keepalives_idle", "0", "must be a whole number greater than 0"),
-        ("on_lost", "ignore", "must be 'raise' or 'terminate'"),
+        ("on_lost", "ignore", "must be 'interrupt', 'raise' or 'terminate'"),
+        ("on_lost", "kill", "must be 'interrupt', 'raise' or 'terminate'"),
         ("strategy", "pool", "must be 'connect', 'reuse' or 'shared'"),
+        ("strategy", "pooled", "must be 'connect', 'reuse' or 'shared'"),
         ("pooler", "transaction", "must be 'none' or 'session'"),
         ("idle_sessions", "-1", "must be a whole number, 0 or more"),
         ("report_holder", "maybe", "must be true or false"),
     ],
 )
-def test_a_bad_value_is_named_with_why_and_the_default_kept(name: str, raw: Any, why: str) -> None:
-    default = getattr(PglockConfig(), name)
-    expected = f"ignoring pglock_{name}={raw!r}: {why}; using the default {default!r}"
-    with pytest.warns(RuntimeWarning) as caught:
-        config = load_config({f"pglock_{name}": raw}, environ={})
-    assert [str(warning.message) for warning in caught] == [expected]
-    assert getattr(config, name) == default
+def test_a_bad_value_is_an_error_naming_it_and_why(name: str, raw: Any, why: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an error, not a warning and a fallback
+        with pytest.raises(ConfigurationError) as raised:
+            load_config({f"pglock_{name}": raw}, environ={})
+    assert str(raised.value) == f"invalid setting pglock_{name}={raw!r}: {why}"
 
 
 def test_a_dsn_that_is_not_a_str_is_refused_without_being_shown() -> None:
-    with pytest.warns(RuntimeWarning) as caught:
-        config = load_config({"pglock_dsn": 42}, environ={})
-    assert [str(w.message) for w in caught] == [
-        "ignoring pglock_dsn=<hidden>: must be a libpq connection string (a str);"
-        " using the default None"
-    ]
-    assert config.dsn is None
+    with pytest.raises(ConfigurationError) as raised:
+        load_config({"pglock_dsn": 42}, environ={})
+    assert str(raised.value) == (
+        "invalid setting pglock_dsn=<hidden>: must be a libpq connection string (a str)"
+    )
 
 
 def test_a_bad_environment_value_is_named_as_the_variable() -> None:
-    with pytest.warns(RuntimeWarning) as caught:
+    with pytest.raises(ConfigurationError) as raised:
         load_config({}, environ={"PGLOCK_STRATEGY": "pool"})
-    assert [str(w.message) for w in caught] == [
-        "ignoring PGLOCK_STRATEGY='pool': must be 'connect', 'reuse' or 'shared';"
-        " using the default 'reuse'"
-    ]
+    assert str(raised.value) == (
+        "invalid setting PGLOCK_STRATEGY='pool': must be 'connect', 'reuse' or 'shared'"
+    )
 
 
 def test_an_empty_environment_variable_counts_as_unset() -> None:
@@ -131,14 +130,14 @@ def test_a_celery_without_a_secret_pattern_is_left_alone(
     assert celery.app.utils.HIDDEN_SETTINGS == hidden
 
 
-def test_a_warning_points_at_the_code_that_read_the_settings(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    with pytest.warns(RuntimeWarning) as caught:
-        load_config({"pglock_strategy": "pool"}, environ={})
-    assert not caught[0].filename.endswith("config.py")  # the caller's line, not config.py's
-    [record] = [r for r in caplog.records if r.name == "pglock_celery.config"]
-    assert record.setting == "pglock_strategy"  # type: ignore[attr-defined]
+def test_a_bad_setting_fails_every_read_until_it_is_fixed() -> None:
+    app = Celery("fixed-later", set_as_current=False)
+    app.conf.update(pglock_dsn="dbname=x", pglock_on_lost="kill")
+    for _ in range(2):  # never cached as if it were the default
+        with pytest.raises(ConfigurationError, match="pglock_on_lost='kill'"):
+            get_config(app)
+    app.conf.pglock_on_lost = "terminate"
+    assert get_config(app).on_lost == "terminate"
 
 
 def test_without_a_conf_only_the_environment_counts() -> None:
@@ -190,7 +189,9 @@ def test_a_bad_value_under_a_lowercase_namespace_is_named_as_written() -> None:
         {"celery_broker_url": "memory://", "celery_pglock_check_interval": "soon"},
         namespace="celery",
     )
-    with pytest.warns(RuntimeWarning, match=r"^ignoring celery_pglock_check_interval='soon': "):
+    with pytest.raises(
+        ConfigurationError, match=r"^invalid setting celery_pglock_check_interval='soon': "
+    ):
         get_config(app)
 
 

@@ -23,3 +23,4 @@ def test_signatures_match_the_contract() -> None:
     ]
     assert list(inspect.signature(remove_guard).parameters) == ["conn_or_dsn", "table"]
     assert inspect.signature(install_guard).return_annotation in (None, "None")
+    assert inspect.signature(remove_guard).return_annotation in (None, "None")

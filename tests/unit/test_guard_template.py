@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pglock_celery import ConfigurationError
 from pglock_celery.guard import (
+    name_changed,
     name_expression,
     parse_template,
+    shared_functions,
     template_columns,
     trigger_function_body,
     trigger_function_name,
@@ -89,3 +93,38 @@ def test_short_names_are_readable_and_long_ones_stay_apart() -> None:
 @given(st.text(alphabet=st.characters(blacklist_characters="{}"), max_size=30))
 def test_a_template_without_fields_is_one_literal(text: str) -> None:
     assert parse_template(text or "x") == [(text or "x", None)]
+
+
+#: Every built-in the guard's SQL calls: each call must name pg_catalog.
+BUILTINS = (
+    "current_setting",
+    "strpos",
+    "pg_try_advisory_xact_lock_shared",
+    "lower",
+    "md5",
+    "left",
+    "convert_to",
+    "format",
+    "pg_backend_pid",
+    "current_database",
+)
+
+
+@pytest.mark.parametrize("encoding", ["UTF8", "LATIN1"])
+def test_every_builtin_the_guard_calls_is_schema_qualified(encoding: str) -> None:
+    texts = [trigger_function_body(parse_template("t:{a}/{b}")).as_string(None)]
+    texts += [body for _, _, body in shared_functions(encoding)]
+    for text in texts:
+        for builtin in BUILTINS:
+            bare = re.findall(rf"(?<![\w.]){builtin}\s*\(", text)
+            assert not bare, f"{builtin}() called without pg_catalog. in:\n{text}"
+    for _, create, _ in shared_functions(encoding):
+        if "plpgsql" in create:
+            assert "SET search_path = pg_catalog, pg_temp" in create
+
+
+def test_the_stored_update_check_fires_only_when_a_column_of_the_name_changes() -> None:
+    assert name_changed(parse_template("t:{b}/{a}/{b}")).as_string(None) == (
+        'NEW."b" IS DISTINCT FROM OLD."b" OR NEW."a" IS DISTINCT FROM OLD."a"'
+    )
+    assert name_changed(parse_template("global")).as_string(None) == "false"

@@ -8,8 +8,12 @@ import uuid
 import pytest
 
 from pglock_celery import lock_key
-from pglock_celery.inspect import parse_application_name
+from pglock_celery.inspect import holder_from_row, parse_application_name
+from pglock_celery.keys import key_to_lock_fields
 from pglock_celery.session import application_name
+
+#: The row's client address, start, state change and state, unknown.
+NONE = (None, None, None, None)
 
 
 def test_full_application_name_gives_every_field() -> None:
@@ -57,3 +61,22 @@ def test_foreign_sessions_are_not_misread() -> None:
 def test_a_lock_taken_by_bare_key_still_gives_its_holder() -> None:
     app_name = application_name("pglock", "#-12345", "t", host="h")
     assert parse_application_name(app_name, -12345) == (None, False, "t", os.getpid(), "h")
+
+
+def test_a_holder_is_described_with_its_task_id_whole() -> None:
+    task = str(uuid.uuid4())
+    app_name = application_name("pglock", "tenant:42", task, host="w1")
+    [holder] = [holder_from_row((*key_to_lock_fields(lock_key("tenant:42")), 7, app_name, *NONE))]
+    assert holder.describe() == f"task {task} (process {os.getpid()} on w1, backend 7)"
+    assert holder.describe().count(task) == 1 and task == holder.as_dict()["task_id"]
+
+
+def test_a_holder_without_a_task_or_from_elsewhere_is_described_by_what_is_known() -> None:
+    fields = key_to_lock_fields(lock_key("tenant:42"))
+    untasked = application_name("pglock", "tenant:42", None, host="w1")
+    assert holder_from_row((*fields, 7, untasked, *NONE)).describe() == (
+        f"process {os.getpid()} on w1 (backend 7)"
+    )
+    assert holder_from_row((*fields, 8, "psql", *NONE)).describe() == (
+        "backend 8 (application_name 'psql')"
+    )

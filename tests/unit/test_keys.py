@@ -74,5 +74,5 @@ def test_keys_at_the_ends_of_bigint_are_accepted(key: int) -> None:
 
 @pytest.mark.parametrize(("bad", "kind"), [(True, "bool"), ("42", "str"), (4.0, "float")])
 def test_a_key_that_is_not_an_int_raises_type_error_naming_the_type(bad: object, kind: str) -> None:
-    with pytest.raises(TypeError, match=f"^lock key must be an int, not {kind}$"):
+    with pytest.raises(TypeError, match=f"^a lock is a str name or an int key, not {kind}$"):
         check_key(bad)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""The README's migration recipes, run as written."""
+"""The migration page's recipes (docs/migrating.md), run as written."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from celery import Celery
 
 from pglock_celery import TenantLockedTask, lock_key
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "migrating.md"
 
 
 def recipe(name: str) -> dict[str, Any]:
-    """Run the README's code block that starts with `# recipe: <name>`; return its names."""
+    """Run the code block of docs/migrating.md that starts with `# recipe: <name>`."""
     blocks = re.findall(r"```python\n# recipe: (\w+)\n(.*?)```", README.read_text(), re.S)
     code = dict(blocks)[name]
     namespace: dict[str, Any] = {}

@@ -22,6 +22,7 @@ CONTRACT = {
     "LockUnavailable",
     "LockTimeout",
     "LockLost",
+    "holder",
 }
 
 

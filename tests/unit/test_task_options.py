@@ -10,6 +10,7 @@ import pytest
 from celery import Celery
 
 from pglock_celery import ConfigurationError, LockNameError, PglockError, TenantLockedTask
+from pglock_celery.task import configuration_problems
 
 
 @pytest.fixture
@@ -133,3 +134,87 @@ def test_an_unknown_lock_mode_names_the_modes_there_are(app: Celery) -> None:
     app.conf.pglock_dsn = "host=127.0.0.1 port=1"
     result = make(app, lock_mode="block").apply((1,))
     assert str(result.result).endswith("lock_mode must be one of skip, wait, retry, not 'block'")
+
+
+# Found at start: a worker refuses to start with any of these --------------------------------
+
+
+def test_a_template_naming_an_argument_the_task_cannot_take_is_found_without_a_call(
+    app: Celery,
+) -> None:
+    @app.task(base=TenantLockedTask, lock_name="tenant:{customer}:{stage}", shared=False)
+    def plain(tenant_id: Any, stage: str = "x") -> str:
+        return "ran"
+
+    assert configuration_problems(app) == [
+        f"task {plain.name}: lock_name 'tenant:{{customer}}:{{stage}}' names argument "
+        "'customer', which the task cannot take (its parameters: tenant_id, stage)"
+    ]
+
+
+def test_the_default_template_on_a_task_without_tenant_id_is_found(app: Celery) -> None:
+    @app.task(base=TenantLockedTask, shared=False)
+    def sync(account: int) -> str:
+        return "ran"
+
+    [problem] = configuration_problems(app)
+    assert "lock_name 'tenant:{tenant_id}' names argument 'tenant_id'" in problem
+
+
+def test_a_template_over_any_name_is_fine_for_a_task_taking_keyword_arguments(
+    app: Celery,
+) -> None:
+    make(app, lock_name="{tenant_id}:{region.code}:{tags[0]}")  # region arrives in **extra
+    make_with(app, TenantLockedTask)
+    assert configuration_problems(app) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "why"),
+    [
+        ({"lock_mode": "block"}, "lock_mode must be one of skip, wait, retry, not 'block'"),
+        ({"lock_mode": "wait", "lock_timeout": -1}, "lock_timeout: lock timeout must be 0"),
+        ({"lock_mode": "wait", "lock_timeout": "5"}, "lock_timeout: lock timeout must be a nu"),
+        ({"lock_retry_countdown": 0}, "lock_retry_countdown must be a number of seconds above 0"),
+        ({"lock_retry_countdown": "5"}, "lock_retry_countdown must be a number of seconds above"),
+        ({"lock_name": "tenant:{tenant_id"}, "lock_name 'tenant:{tenant_id' is not a valid t"),
+        ({"lock_name": "tenant:{}"}, "lock_name 'tenant:{}' has a positional field"),
+        ({"lock_name": "tenant:{0}"}, "lock_name 'tenant:{0}' has a positional field"),
+        ({"lock_name": 42}, "lock_name must be a str.format template or a callable, not int"),
+    ],
+)
+def test_a_bad_task_option_is_found_without_a_call_naming_task_and_option(
+    app: Celery, options: dict[str, Any], why: str
+) -> None:
+    task = make(app, **options)
+    [problem] = configuration_problems(app)
+    assert problem.startswith(f"task {task.name}: {why}"), problem
+
+
+def test_an_invalid_setting_is_found_with_the_task_problems(app: Celery) -> None:
+    app.conf.update(pglock_on_lost="kill", pglock_strategy="pooled")
+    make(app, lock_mode="block")
+    problems = configuration_problems(app)
+    assert problems[0] == (
+        "invalid settings: pglock_on_lost='kill': must be 'interrupt', 'raise' or 'terminate';"
+        " pglock_strategy='pooled': must be 'connect', 'reuse' or 'shared'"
+    )
+    assert problems[1].endswith("lock_mode must be one of skip, wait, retry, not 'block'")
+
+
+def test_a_malformed_dsn_is_left_to_the_first_lock_which_fails_closed(app: Celery) -> None:
+    app.conf.pglock_dsn = "postgresql://u:Pw9x/7Zq@h/db"
+    task = make(app)
+    assert configuration_problems(app) == []
+    result = task.apply((1,))
+    assert isinstance(result.result, ConfigurationError)
+    assert "not a valid connection string" in str(result.result)
+    assert "Pw9x" not in str(result.result)
+
+
+def test_a_well_configured_app_has_no_problem(app: Celery) -> None:
+    app.conf.pglock_dsn = "host=127.0.0.1 dbname=x"
+    make(app)
+    make(app, lock_name=lambda tenant_id, **kw: f"t:{tenant_id}", name="by_callable")
+    make(app, lock_mode="wait", lock_timeout=3, name="waits")
+    assert configuration_problems(app) == []
