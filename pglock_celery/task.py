@@ -178,8 +178,17 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         name = self.resolve_lock_name(args, kwargs)
-        mode = self._checked_mode()
-        timeout = self._checked_timeout()
+        options = self.__dict__.get("_pglock_options")
+        if options is None or options[:2] != (self.lock_mode, self.lock_timeout):
+            # Checked once per value (a worker checks them as it starts, too).
+            mode, timeout = self._checked_mode(), self._checked_timeout()
+            options = self.__dict__["_pglock_options"] = (
+                self.lock_mode,
+                self.lock_timeout,
+                mode,
+                timeout,
+            )
+        mode, timeout = options[2], options[3]
         config = get_config(self.app)
         config.require_dsn()
         outer = current_lock()
@@ -221,7 +230,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         kwargs: dict[str, Any],
     ) -> Any:
         try:
-            lock.acquire()
+            acquired = lock.acquire()
         except PglockError as exc:
             # Celery's autoretry_for wraps run(), which never sees the errors
             # of taking the lock; honour it for them here.
@@ -231,7 +240,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             raise
         error: BaseException | None = None
         try:
-            if not lock.acquired:
+            if not acquired:
                 return self._lock_busy(lock, mode, config, args, kwargs)
             token = _current.set(lock)
             try:
@@ -347,12 +356,16 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             raise LockNameError(
                 f"task {self.name}: lock_name {template!r} names argument "
                 f"{exc.args[0]!r}, which the call lacks (it has: "
-                f"{', '.join(values) or 'no arguments'})"
+                f"{', '.join(self._in_signature_order(values)) or 'no arguments'})"
             ) from exc
         except (IndexError, AttributeError, ValueError, TypeError) as exc:
             raise LockNameError(
                 f"task {self.name}: lock_name {template!r} cannot be formatted: {exc}"
             ) from exc
+
+    def _in_signature_order(self, values: Mapping[str, Any]) -> list[str]:
+        order = list(self._run_signature.parameters)
+        return sorted(values, key=lambda name: order.index(name) if name in order else len(order))
 
     @functools.cached_property
     def _run_signature(self) -> inspect.Signature:
@@ -378,8 +391,9 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
     def _simple_arguments(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> dict[str, Any] | None:
-        """What Signature.bind with apply_defaults gives, for a call that plainly fits a
-        plain signature (the common case, without its cost); None for any other call."""
+        """What Signature.bind with apply_defaults gives (as a dict, in any order), for a
+        call that plainly fits a plain signature (the common case, without its cost);
+        None for any other call."""
         plain = self._plain_parameters
         if plain is None:
             return None
@@ -395,7 +409,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             values[name] = value
         if not required <= values.keys():
             return None
-        return {name: values[name] for name in parameters if name in values}
+        return values
 
     def configuration_problems(self) -> list[str]:
         """Return what is wrong with this task's lock options, each naming task and option."""

@@ -74,7 +74,7 @@ def test_the_quick_path_agrees_with_bind(
         return
     bound.apply_defaults()
     if quick is not None:
-        assert list(quick.items()) == list(bound.arguments.items())
+        assert quick == dict(bound.arguments)
     plain_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     if all(p.kind in plain_kinds for p in signature.parameters.values()):
         assert quick is not None, f"{signature}{args}{kwargs}: a plain call took the slow path"
