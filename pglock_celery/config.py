@@ -143,7 +143,7 @@ class PglockConfig:
     #: What a task does when its lock is lost: "interrupt" (LockLost raised
     #: inside the running body), "raise" (LockLost at the next use of the lock)
     #: or "terminate" (the worker process ends at once).
-    on_lost: str = "raise"
+    on_lost: str = "interrupt"
     #: Where lock sessions come from: "reuse" (a few idle lock-only sessions
     #: per process, checked out by one holder at a time) or "connect" (a new
     #: session for every lock, closed on release).

@@ -18,21 +18,34 @@ by the scheduler itself.
 A loss is logged, marks the hold lost, lets the source deal with the session
 (end a session that lives on without the lock; a failed shared session takes
 every lock on it) and is handed to the holder's loss handler.
+
+A :class:`Body` is the code running under a hold, and how to raise LockLost
+inside it from the thread that found the loss (``pglock_on_lost = "interrupt"``):
+a greenlet (gevent, eventlet) is thrown into by its hub; the main thread
+(prefork and solo pools) gets a signal whose handler raises; another thread
+(the threads pool) gets an asynchronous exception, which CPython raises at its
+next bytecode (not inside a blocking C call such as ``time.sleep``: it comes
+when that returns). Nothing is raised once the body has returned.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
+import signal
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, Protocol
 
 import psycopg
 
 from .config import PglockConfig
+from .exceptions import LockLost
 from .session import LockSession
 
 logger = logging.getLogger("pglock_celery.lock")
@@ -173,6 +186,20 @@ class Monitor:
         #: Locks this process found lost while held (the monitor, held()) and at release.
         self.losses = {"while_held": 0, "at_release": 0}
         self._losses_lock = threading.Lock()
+        #: Bodies of the main thread told to stop, for the signal handler to raise in.
+        self.interrupted: list[Body] = []
+        self.interrupt_handler_installed = False
+
+    def install_interrupt_handler(self) -> None:
+        """Install (from the main thread) the handler that raises LockLost in its body."""
+        signal.signal(INTERRUPT_SIGNAL, self._on_interrupt_signal)
+        self.interrupt_handler_installed = True
+
+    def _on_interrupt_signal(self, signum: int, frame: FrameType | None) -> None:
+        while self.interrupted:
+            body = self.interrupted.pop()
+            if body.running:
+                raise body.lost()
 
     def count_loss(self, when: str) -> None:
         with self._losses_lock:
@@ -321,3 +348,82 @@ class Monitor:
         self._checkers = self._idle_checkers = 0
         self.abandoned.clear()
         self._losses_lock = threading.Lock()
+        self.interrupted = []
+
+
+#: The signal that interrupts a body running in the main thread (a real-time one: no
+#: library or Celery pool uses it).
+INTERRUPT_SIGNAL = signal.SIGRTMIN + 3
+
+
+class Body:
+    """The code running under a hold, and how to raise LockLost inside it.
+
+    Made in the thread (or greenlet) that runs the body, just before it runs;
+    ``running`` is set around the body by its runner, which calls :meth:`end`
+    after it. :meth:`interrupt` may be called from any thread.
+    """
+
+    def __init__(self, label: str, monitor: Monitor) -> None:
+        self.label = label
+        self.running = False
+        self.reason: str | None = None
+        self._mutex = threading.Lock()
+        self._monitor = monitor
+        # What runs the body: a gevent or eventlet greenlet, the main thread, a thread.
+        self._kind: str = "thread"
+        self._target: Any = threading.get_ident()
+        greenlet = sys.modules.get("greenlet")
+        current = greenlet.getcurrent() if greenlet is not None else None
+        gevent, eventlet = sys.modules.get("gevent"), sys.modules.get("eventlet.greenthread")
+        if gevent is not None and isinstance(current, gevent.Greenlet):
+            self._kind, self._target = "gevent", current
+        elif eventlet is not None and isinstance(current, eventlet.GreenThread):
+            self._kind, self._target = "eventlet", current
+        elif self._target == threading.main_thread().ident:
+            self._kind = "main"
+            if not monitor.interrupt_handler_installed:
+                monitor.install_interrupt_handler()
+
+    def interrupt(self, reason: str) -> bool:
+        """Raise LockLost inside the running body; whether it was still running."""
+        with self._mutex:
+            if not self.running or self.reason is not None:
+                return False
+            self.reason = reason
+            if self._kind == "main":
+                self._monitor.interrupted.append(self)
+                signal.pthread_kill(self._target, INTERRUPT_SIGNAL)
+            elif self._kind == "thread":
+                _async_raise(self._target, LockLost)
+            elif self._kind == "gevent":
+                import gevent  # type: ignore[import-untyped]
+
+                gevent.get_hub().loop.run_callback(self._throw)
+            else:
+                from eventlet import hubs  # type: ignore[import-untyped]
+
+                hubs.get_hub().schedule_call_global(0, self._throw)
+            return True
+
+    def end(self) -> None:
+        """The body returned: nothing may be raised inside it from now on."""
+        with self._mutex:
+            self.running = False
+            if self.reason is not None and self._kind == "thread":
+                _async_raise(self._target, None)  # one not raised yet must not come later
+
+    def _throw(self) -> None:
+        """In the hub: throw into the body's greenlet, unless it has ended meanwhile."""
+        if self.running:
+            self._target.throw(self.lost())
+
+    def lost(self) -> LockLost:
+        return LockLost(f"lock {self.label} was lost while its body ran: {self.reason}")
+
+
+def _async_raise(thread_id: int, exception: type[BaseException] | None) -> None:
+    """Have CPython raise ``exception`` in thread ``thread_id`` (None takes it back)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exception) if exception else None
+    )

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 #: The session setting listing the keys a lock session holds (``,k1,k2,``).
 HELD_SETTING = "pglock.held"
+#: Set for the length of a holder's transaction on a shared session: the keys the
+#: session holds for other holders (``,k1,k2,``), which guarded tables never count
+#: as this holder's.
+OTHERS_SETTING = "pglock.others"
 #: The session setting carrying a per-session token, set in the startup options.
 SESSION_TOKEN_SETTING = "pglock.session"
 
@@ -124,9 +128,11 @@ RESET_AFTER_TRANSACTION = (
 #: runs (pg_advisory_unlock_all(), say) can free one of them before it ends, and a
 #: PREPARE TRANSACTION fails (a transaction holding a key at both levels cannot be
 #: prepared, so no write under the lock outlives it); guarded tables see only the
-#: holder's own key meanwhile. %s the keys (int8[]), %s ",own key,".
+#: holder's own key meanwhile, and the others' keys as not this holder's.
+#: %s ",own key,", %s ",other keys,", %s every key (int8[]).
 PIN_FOR_TRANSACTION = (
     b"SELECT pg_catalog.set_config('pglock.held', %s, true),"
+    b" pg_catalog.set_config('pglock.others', %s, true),"
     b" (SELECT pg_catalog.count(*) FROM (SELECT pg_catalog.pg_advisory_xact_lock(k)"
     b" FROM pg_catalog.unnest(%s::pg_catalog.int8[]) AS k) AS pinned)"
 )

@@ -35,7 +35,8 @@ from .exceptions import (
 )
 from .keys import check_lock_name, check_timeout
 from .lock import AdvisoryLock, _current, current_lock
-from .monitor import Hold
+from .monitor import Body, Hold
+from .sources import registry
 
 logger = logging.getLogger("pglock_celery.task")
 
@@ -43,6 +44,8 @@ logger = logging.getLogger("pglock_celery.task")
 LOCK_SKIPPED_EVENT = "task-lock-skipped"
 #: Task event sent when a running call's lock is found lost.
 LOCK_LOST_EVENT = "task-lock-lost"
+#: pglock_on_lost: raise LockLost inside the running body.
+INTERRUPT = "interrupt"
 #: Exit status of a worker process ended by pglock_on_lost = "terminate".
 LOCK_LOST_EXIT_STATUS = 70
 
@@ -202,6 +205,8 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
                 return super().__call__(*args, **kwargs)
             finally:
                 _this_call.reset(call_token)
+        # The body to interrupt when the lock is found lost (pglock_on_lost).
+        body = Body(name, registry.monitor) if config.on_lost == INTERRUPT else None
         lock = AdvisoryLock(
             name,
             config=config,
@@ -213,11 +218,12 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
                 task_id=self.request.id,
                 hostname=self.request.hostname,
                 reaction=config.on_lost,
+                body=body,
             ),
         )
         call_token = _this_call.set(lock)
         try:
-            return self._run_locked(lock, mode, config, args, kwargs)
+            return self._run_locked(lock, mode, config, args, kwargs, body)
         finally:
             _this_call.reset(call_token)
 
@@ -228,6 +234,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         config: PglockConfig,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        body: Body | None,
     ) -> Any:
         try:
             acquired = lock.acquire()
@@ -243,6 +250,8 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             if not acquired:
                 return self._lock_busy(lock, mode, config, args, kwargs)
             token = _current.set(lock)
+            if body is not None:
+                body.running = True
             try:
                 return super().__call__(*args, **kwargs)
             except psycopg.Error as exc:
@@ -255,6 +264,8 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
                     f"{lock.lost_reason or ' '.join(str(exc).split())}"
                 ) from exc
             finally:
+                if body is not None:
+                    body.end()
                 _current.reset(token)
         except BaseException as exc:
             error = exc
@@ -581,6 +592,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         task_id: str | None,
         hostname: str | None,
         reaction: str,
+        body: Body | None,
     ) -> None:
         """React to a loss found while the call holds the lock (from the monitor's thread)."""
         self._send_event(
@@ -591,7 +603,9 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             reason=reason,
             holder=lock.application_name,
         )
-        if reaction == "terminate":
+        if reaction == INTERRUPT and body is not None:
+            body.interrupt(reason)
+        elif reaction == "terminate":
             logger.error(
                 "lock %s lost: ending worker process %d so that task %s[%s] stops",
                 lock.label,

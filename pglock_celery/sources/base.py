@@ -48,7 +48,10 @@ def fenced_transaction(
         return
     try:
         with handle.transaction():
-            handle.execute(sql.PIN_FOR_TRANSACTION, (f",{own},", keys))
+            others = "".join(f",{key}" for key in keys if key != own)
+            handle.execute(
+                sql.PIN_FOR_TRANSACTION, (f",{own},", f"{others}," if others else "", keys)
+            )
             try:
                 with handle.transaction():  # a savepoint: the body's work alone
                     yield handle

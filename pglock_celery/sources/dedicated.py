@@ -48,7 +48,14 @@ class DedicatedSource(Source):
         such a session, it held nothing, and the try goes to a new session. Once a
         wait has started, its failure is the caller's (LockUnavailable).
         """
-        session = self._take_idle()
+        session = None
+        while self._idle:  # an idle session the server still has (a dead one held nothing)
+            with self._mutex:
+                session = self._idle.pop() if self._idle else None
+            if session is None or session.alive():
+                break
+            self._discard(session)  # ended while idle (a restart, a DBA)
+            session = None
         fresh = session is None
         if session is None:
             session = self._open(hold)
@@ -74,17 +81,6 @@ class DedicatedSource(Source):
             raise
         hold.granted = granted
         return granted
-
-    def _take_idle(self) -> LockSession | None:
-        """An idle session the server still has, or None (dead ones are closed)."""
-        while True:
-            with self._mutex:
-                if not self._idle:
-                    return None
-                session = self._idle.pop()
-            if session.alive():
-                return session
-            self._discard(session)  # ended while idle (a restart, a DBA): it held nothing
 
     def _open(self, hold: Hold) -> LockSession:
         # Under reuse a session outlives its holder: it starts under the idle name.
@@ -145,7 +141,14 @@ class DedicatedSource(Source):
                 except psycopg.Error:
                     keep = False
         finally:
-            if not (keep and self._give_back(session)):
+            # Kept idle for a later lock only when nothing is in doubt and there is room.
+            if keep and self.reuse and not session.pooled and session.pid == os.getpid():
+                with self._mutex:
+                    keep = len(self._idle) < self.config.idle_sessions
+                    if keep:
+                        session.handed_out = False
+                        self._idle.append(session)
+            if not keep:
                 self._discard(session)
 
     def _unlock(self, session: LockSession, hold: Hold) -> bool:
@@ -182,17 +185,6 @@ class DedicatedSource(Source):
         if hold.lost is not None:
             raise LockLost(f"lock {label} was lost while held: {hold.lost}")
         return clean and not session.pgconn.pipeline_status
-
-    def _give_back(self, session: LockSession) -> bool:
-        """Keep ``session`` idle for a later lock; False when it may not be."""
-        if not self.reuse or session.pooled or session.pid != os.getpid():
-            return False
-        with self._mutex:
-            if len(self._idle) >= self.config.idle_sessions:
-                return False
-            session.handed_out = False
-            self._idle.append(session)
-            return True
 
     # -- what a holder touches ---------------------------------------------------------
 
