@@ -129,6 +129,15 @@ def retry_self(self: TenantLockedTask, tenant_id: str, table: str) -> dict[str, 
     raise retry
 
 
+@app.task(base=TenantLockedTask, reject_on_worker_lost=False, acks_late=False)
+def sleep_under_lock(tenant_id: str, seconds: float, chunk: float) -> dict[str, Any]:
+    """Sleep ``seconds`` under the lock, in sleeps of ``chunk`` seconds, touching nothing."""
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        time.sleep(chunk)
+    return {"slept": time.monotonic() - started, "pid": os.getpid()}
+
+
 @app.task(base=TenantLockedTask)
 def fail(tenant_id: str) -> None:
     raise ValueError(f"step for {tenant_id} failed on purpose")
