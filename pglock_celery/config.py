@@ -34,6 +34,7 @@ from celery.utils.collections import DictAttribute
 
 from .dsn import dsn_problem
 from .exceptions import ConfigurationError
+from .patroni import parse_urls
 
 _CACHE_ATTRIBUTE = "_pglock_config"
 
@@ -102,6 +103,12 @@ def _whole(raw: Any) -> int:
     return value
 
 
+def _patroni_url(raw: Any) -> tuple[str, ...] | None:
+    if raw in (None, ""):
+        return None
+    return parse_urls(raw)
+
+
 def _dsn(raw: Any) -> str | None:
     if raw in (None, ""):
         return None
@@ -161,6 +168,9 @@ class PglockConfig:
     #: in between is refused); "session": it goes through a session-mode pooler
     #: (PgBouncer pool_mode = session), which keeps one backend per client.
     pooler: str = "none"
+    #: The REST API URLs of the Patroni cluster's members (comma-separated): a
+    #: lock is valid only while its server is confirmed as the leader (patroni.py).
+    patroni_url: tuple[str, ...] | None = None
 
     @property
     def server_bound(self) -> float:
@@ -233,6 +243,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "retry_countdown": _positive_float,
     "report_holder": _boolean,
     "pooler": _pooler,
+    "patroni_url": _patroni_url,
 }
 
 #: Every setting: (app.conf key, environment variable, default).
@@ -286,7 +297,7 @@ def load_config(conf: Any, environ: dict[str, str] | None = None) -> PglockConfi
         except (TypeError, ValueError) as exc:
             if source == key:
                 source = _written_as(conf, key)
-            shown = "<hidden>" if field.name == "dsn" else repr(raw)
+            shown = "<hidden>" if field.name in ("dsn", "patroni_url") else repr(raw)
             problems.append(f"{source}={shown}: {exc}")
     if problems:
         if len(problems) == 1:

@@ -17,9 +17,9 @@ from typing import Any
 import psycopg
 from celery import current_app
 
-from .config import get_config
+from .config import PglockConfig, get_config
 from .dsn import describe_target, redact
-from .exceptions import LockUnavailable
+from .exceptions import LockUnavailable, PglockError
 from .keys import check_key, check_lock_name, key_to_lock_fields, lock_fields_to_key, lock_key
 from .session import (
     APPLICATION_NAME_MAX_BYTES,
@@ -63,6 +63,13 @@ ALL_HELD = _HELD_LOCKS + " ORDER BY a.backend_start, a.pid"
 
 #: The application_name of holder()'s own short session: not a lock session's.
 INSPECT_APPLICATION_NAME = "pglock-celery-inspect"
+
+# A database of a running server: its start (microseconds) tells servers apart,
+# the oid databases; pg_stat_activity and pg_locks are not read.
+DATABASE_IDENTITY = """
+SELECT pg_postmaster_start_time()::text, oid::int8, datname
+FROM pg_database WHERE datname = current_database()
+"""
 
 
 @dataclass(frozen=True)
@@ -218,13 +225,7 @@ def holder(name_or_key: str | int, *, dsn: str | None = None) -> Holder | None:
     config = get_config(current_app).with_dsn(dsn)
     target = config.require_dsn()
     try:
-        with psycopg.connect(
-            target,
-            autocommit=True,
-            # libpq counts whole seconds and treats anything below 2 as 2.
-            connect_timeout=max(2, math.ceil(config.connect_timeout)),
-            application_name=INSPECT_APPLICATION_NAME,
-        ) as conn:
+        with _plain_session(config) as conn:
             found = find_holder(conn, key)
     except psycopg.Error as exc:
         reason = " ".join(str(exc).split())
@@ -234,6 +235,32 @@ def holder(name_or_key: str | int, *, dsn: str | None = None) -> Holder | None:
     if found is None or name is None:
         return found
     return dataclasses.replace(found, name=name, name_truncated=False)
+
+
+def database_identity(config: PglockConfig) -> tuple[str, int, str] | None:
+    """Return which database of which running server ``config``'s DSN reaches.
+
+    ``(server start, database oid, database name)``: equal for two DSNs only when
+    their locks live in the same database, however each names the server. None
+    when the server cannot be asked (the caller then stays in doubt).
+    """
+    try:
+        with _plain_session(config) as conn:
+            row = conn.execute(DATABASE_IDENTITY).fetchone()
+    except (psycopg.Error, PglockError):
+        return None
+    return (str(row[0]), int(row[1]), str(row[2])) if row is not None else None
+
+
+def _plain_session(config: PglockConfig) -> psycopg.Connection[Any]:
+    """A short plain session to ``config``'s database, never a lock session."""
+    return psycopg.connect(
+        config.require_dsn(),
+        autocommit=True,
+        # libpq counts whole seconds and treats anything below 2 as 2.
+        connect_timeout=max(2, math.ceil(config.connect_timeout)),
+        application_name=INSPECT_APPLICATION_NAME,
+    )
 
 
 def list_holders(conn: psycopg.Connection) -> list[Holder]:

@@ -33,6 +33,7 @@ from .exceptions import (
     LockTimeout,
     PglockError,
 )
+from .inspect import database_identity
 from .keys import check_lock_name, check_timeout
 from .lock import AdvisoryLock, _current, current_lock
 from .monitor import Body, Hold
@@ -113,16 +114,18 @@ def _same_database(a: PglockConfig, b: PglockConfig) -> bool:
     Advisory locks belong to one database of one server. The DSNs count as the
     same when libpq resolves them to the same hosts, host addresses, ports,
     service and database name (order, URI or key=value form, user, password
-    and other options aside). Anything else is doubt, and doubt takes the lock:
-    a server named by address in one DSN and by host name in the other is
-    treated as another database, so an inline call there finds the name held
-    by its own caller, and skips (``"retry"`` retries, ``"wait"`` waits until
-    its ``lock_timeout``).
+    and other options aside). Otherwise (another database, or one server named
+    two ways: by address and by host name) both servers are asked which
+    database they serve, on a short plain session each. A server that cannot
+    be asked leaves the doubt, and doubt takes the lock.
     """
     if a.dsn == b.dsn:
         return True
     where_a, where_b = _database_of(a.dsn), _database_of(b.dsn)
-    return where_a is not None and where_a == where_b
+    if where_a is not None and where_a == where_b:
+        return True
+    identity = database_identity(a)
+    return identity is not None and identity == database_identity(b)
 
 
 def _database_of(dsn: str | None) -> tuple[str, ...] | None:

@@ -638,28 +638,26 @@ def test_an_inline_call_whose_dsn_spells_the_same_database_otherwise_runs_under_
         assert outer.apply((run_id,)).get() == {"holders_here": 1, "under_caller": True}
 
 
-@pytest.mark.parametrize("strategy", ["reuse", "connect"])
-def test_an_inline_call_in_doubt_about_its_database_takes_the_lock_and_finds_its_caller(
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_inline_call_whose_dsn_names_the_same_server_by_address_runs_under_its_caller(
     eager_app: Celery, pg_dsn: str, run_id: str, strategy: str
 ) -> None:
-    """The same server named by address instead of host name cannot be told apart without
-    asking it: the call takes the lock, sees its caller holding it, and skips. (Not under
-    shared: its skip names no holder, and its caller has no connection to compare.)"""
+    """A server named by address in one DSN and by host name in the other cannot be told
+    apart from the text: both servers are asked which database they serve."""
     params = conninfo_to_dict(pg_dsn)
     host = str(params.pop("host", ""))
     assert host and not host.startswith("/"), f"the test needs Postgres over TCP, not {host!r}"
-    doubtful = make_conninfo("", **params, hostaddr=socket.gethostbyname(host))
-    _, outer = nested_pair(eager_app, doubtful, strategy)
+    by_address = make_conninfo("", **params, hostaddr=socket.gethostbyname(host))
+    _, outer = nested_pair(eager_app, by_address, strategy)
+    assert outer.apply((run_id,)).get() == {"holders_here": 1, "under_caller": True}
 
-    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
-    def caller(tenant: str) -> tuple[Any, int]:
-        lock = current_lock()
-        assert lock is not None
-        return outer.run(tenant), lock.connection.info.backend_pid
 
-    answer, backend = caller.apply((run_id,)).get()
-    assert answer["skipped"] is True
-    assert answer["holder"]["backend_pid"] == backend
+def test_an_inline_call_that_cannot_ask_its_server_takes_its_own_lock_and_fails_closed(
+    eager_app: Celery, run_id: str
+) -> None:
+    _, outer = nested_pair(eager_app, "host=127.0.0.1 port=1 dbname=none", "reuse")
+    result = outer.apply((run_id,))
+    assert isinstance(result.result, LockUnavailable), repr(result.result)
 
 
 def test_a_skip_answers_a_frozen_callback_that_will_not_run(

@@ -1,0 +1,514 @@
+"""Whether a lock session's server leads its Patroni cluster, and until when to trust it.
+
+A session advisory lock lives on one Postgres server. After a failover the new primary
+knows nothing of it, and an old primary that still runs (its Patroni killed, paused or
+cut off) keeps serving its sessions. With ``pglock_patroni_url`` set, a lock is valid
+only while :class:`LeaderFence` has recently confirmed that its server holds Patroni's
+leader key; a confirmation is trusted until a monotonic deadline that comes before any
+other member can be promoted.
+
+Safety argument (verified against Patroni 4.1.5's source, etcd3 DCS)
+--------------------------------------------------------------------
+Facts, with where they live in Patroni:
+
+F1  The leader key sits on an etcd lease of ``ttl`` seconds that only the leader's own
+    HA loop renews: ``Ha.update_lock`` (ha.py) -> ``Etcd3._update_leader``
+    (dcs/etcd3.py) -> ``_do_refresh_lease(force=True)`` (a lease keepalive). Another
+    member takes the key only once it is gone: ``_do_attempt_to_acquire_leader`` puts
+    it with ``create_revision='0'``, and since Patroni's PR 2689 (May 2023) a resumed
+    old leader re-creates it only when absent, never over another's (the txn in
+    ``_update_leader`` compares the key's VALUE with its own name, else
+    ``create_revision == 0``). So no member but L can hold the key before L's lease
+    expires, ``ttl`` seconds (etcd's clock) after the last keepalive etcd processed.
+F2  ``GET /leader`` (api.py ``do_GET``) answers 200 when ``Ha.is_leader()``, which is
+    ``_leader_expiry > time.time()``; ``set_is_leader(True)`` sets
+    ``_leader_expiry = time.time() + ttl`` right after a successful update, and a failed
+    update, a lost key or a demotion sets it to 0 at once (``update_lock``,
+    ``load_cluster_from_dcs``, ``_delete_leader``, ``demote``). So a 200 proves only that
+    some renewal succeeded less than ``ttl`` ago: given up to ``ttl`` after the last
+    renewal, it may come when the lease has already expired. A 200 alone is not enough.
+F3  Every status answer carries ``dcs_last_seen`` (``AbstractDCS.get_cluster``:
+    ``int(time.time())`` at the HA loop's read of the DCS, the first step of each
+    cycle) and an HTTP ``Date`` header (``BaseHTTPRequestHandler``): both from the
+    Patroni host's clock, so their difference is the age of the loop's last DCS read,
+    measured on one clock, within 1 s either way (both are whole seconds).
+F4  An HA cycle starts at most ``loop_wait`` after the previous one began (or at once
+    when it overran, ``Patroni.schedule_next_run``); a renewal that cannot reach etcd
+    gives up after ``retry_timeout`` (its ``Retry`` deadline) and then clears
+    ``is_leader()``. ``cluster_unlocked`` is in the answer when the member's cached view
+    of the DCS has no leader or has expired; ``failsafe_mode_is_active`` when it leads
+    without the key (failsafe mode).
+F5  A member promotes only after winning the race for the key (``_is_healthiest_node``
+    also refuses while another member's REST API still reports a running primary,
+    "Primary (%s) is still alive"), then runs ``pg_ctl promote``: its first lock comes
+    later still. Neither delay is counted below.
+
+The fence: for the session's server (identified by its postmaster's start time, which
+every status answer carries and which changes at every restart), GET ``/leader`` on the
+member that runs it, sent at monotonic time ``t0`` (our clock). It confirms only a
+200 answer naming that postmaster, role ``primary``, state ``running``, neither
+``cluster_unlocked`` nor ``failsafe_mode_is_active``, and a loop read age (F3) of at
+most ``stale = loop_wait + 2`` s, measured. The confirmation holds until
+
+    t0 + W,  W = ttl - loop_wait - max(retry_timeout, stale + 1) - margin
+
+with ttl, loop_wait and retry_timeout read from ``GET /config`` (Patroni's dynamic
+configuration; its defaults 30/10/10 when a key is absent), re-read every
+``config_max_age`` seconds; ``margin`` (1 s) absorbs the time a cycle takes before its
+renewal, a keepalive's round trip and clock-rate error. Why no member can be promoted
+before ``t0 + W``: the answer was computed at some ``t >= t0``.
+(a) If the loop was renewing on schedule, the last keepalive etcd processed came at most
+    ``loop_wait`` before the cycle that will next renew or fail; that cycle clears
+    ``is_leader()`` within ``retry_timeout`` of its start when it fails (F4). So a 200 at
+    ``t`` means a keepalive at or after ``t - loop_wait - retry_timeout - margin``, and the
+    lease outlives ``t0 + W`` (F1).
+(b) If the loop is stalled, its last DCS read is at most ``stale + 1`` s before ``t`` (F3);
+    the renewal of the previous cycle came at most ``loop_wait`` before that read (F4);
+    again the lease outlives ``t0 + W``.
+So while a confirmation is valid, L holds the key and nobody else can be promoted (F1,
+F5). ``ttl 20, loop_wait 2, retry_timeout 4`` give W = 12 s; Patroni's defaults
+``30/10/10`` give W = 6 s. A holder on a deposed primary is told within W of its last
+confirmation, provided its library refreshes the confirmation before it ends and treats
+an ended one as a loss (what the lock core does with :meth:`LeaderFence.confirm`).
+
+Assumptions:
+A1  Clocks tick at nearly the same rate (etcd's, the Patroni host's, this host's), and
+    the Patroni host's wall clock is not stepped by more than the margin while it leads
+    (``is_leader()`` and F3 use ``time.time()``). No synchronised clocks are needed: only
+    durations, each measured on a single clock.
+A2  Patroni has the fix of PR 2689 (any 3.0.3 or later; tested: 4.1.5) and uses etcd v3
+    (F1 was read for it; other DCSs hold keys on sessions whose expiry differs).
+A3  Nobody calls ``GET /cluster`` on the leader's REST API often enough to hide a stalled
+    HA loop: that endpoint reads the DCS from the REST thread and refreshes
+    ``dcs_last_seen`` (api.py ``do_GET_cluster``; ``patronictl`` reads etcd directly and
+    HAProxy's checks and the other members' ``/patroni`` calls do not read it).
+A4  Lowering ``ttl`` (or raising ``loop_wait`` / ``retry_timeout``) takes effect for the
+    fence at its next ``/config`` read: change it in steps no larger than the margin,
+    or with no lock held.
+A5  The URLs name every member of one cluster (once two scopes have answered, nothing is
+    confirmed).
+
+Messages never contain a URL's userinfo or query: members are named by host and port.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import email.utils
+import json
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import psycopg
+
+__all__ = [
+    "IDENTITY_QUERY",
+    "Confirmation",
+    "LeaderFence",
+    "ServerIdentity",
+    "Timing",
+    "parse_urls",
+    "server_identity",
+]
+
+#: What a lock session runs once to learn its server's identity (see ServerIdentity).
+IDENTITY_QUERY = "SELECT pg_catalog.pg_postmaster_start_time()"
+
+#: Patroni's defaults for the dynamic configuration keys the window depends on.
+PATRONI_DEFAULTS = {"ttl": 30.0, "loop_wait": 10.0, "retry_timeout": 10.0}
+
+
+def parse_urls(raw: Any) -> tuple[str, ...]:
+    """Return the members' REST API base URLs from the setting's value.
+
+    ``raw`` is a comma-separated str (the environment's form) or a list of str. Each
+    URL is ``http`` or ``https`` with a host, no credentials, query or fragment. Raises
+    ValueError saying what is wrong, never quoting the value.
+    """
+    if isinstance(raw, str):
+        items = raw.split(",")
+    elif isinstance(raw, (list, tuple)) and all(isinstance(item, str) for item in raw):
+        items = list(raw)
+    else:
+        raise ValueError("must be the Patroni REST API URLs, comma-separated")
+    urls: list[str] = []
+    for position, item in enumerate((item.strip() for item in items), start=1):
+        if not item:
+            raise ValueError(f"URL {position} is empty")
+        try:
+            parts = urllib.parse.urlsplit(item)
+            port = parts.port
+        except ValueError:
+            raise ValueError(f"URL {position} does not parse (bad port?)") from None
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"URL {position} must start with http:// or https://")
+        if not parts.hostname:
+            raise ValueError(f"URL {position} has no host")
+        if parts.username is not None or parts.password is not None:
+            raise ValueError(
+                f"URL {position} holds credentials: Patroni's GET endpoints need none, remove them"
+            )
+        if parts.query or parts.fragment:
+            raise ValueError(f"URL {position} has a query or fragment")
+        del port  # read above only to validate it
+        url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+        if url not in urls:
+            urls.append(url)
+    return tuple(urls)
+
+
+def _shown(url: str) -> str:
+    """The member as messages name it: host and port only."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or "?"
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{parts.port}" if parts.port else host
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerIdentity:
+    """The Postgres server a lock session is on.
+
+    ``started_at`` (``pg_postmaster_start_time()``) is what matches it to a Patroni
+    member: every status answer reports it, it differs between members, and a restarted
+    server gets a new one, so a session of a former postmaster never matches. ``host``
+    and ``port`` (as libpq reports them) only name it in messages.
+    """
+
+    host: str
+    port: int
+    started_at: datetime.datetime
+
+
+def server_identity(conn: psycopg.Connection[Any]) -> ServerIdentity:
+    """Ask ``conn``'s server who it is (one statement: IDENTITY_QUERY).
+
+    Run it when the session is opened, outside any transaction of the caller's.
+    """
+    row = conn.execute(IDENTITY_QUERY).fetchone()
+    if row is None or not isinstance(row[0], datetime.datetime):
+        raise psycopg.DataError("pg_postmaster_start_time() returned no timestamp")
+    return ServerIdentity(conn.info.host, int(conn.info.port), row[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Confirmation:
+    """The fence's answer: leader until ``until`` (time.monotonic()), or not and why.
+
+    ``leader`` False covers both "another member leads" and "cannot tell"; ``reason``
+    says which, naming the member by host and port.
+    """
+
+    leader: bool
+    until: float
+    reason: str = ""
+    member: str | None = None
+
+    def valid(self, now: float | None = None, *, for_at_least: float = 0.0) -> bool:
+        """True while it confirms leadership for ``for_at_least`` more seconds."""
+        now = time.monotonic() if now is None else now
+        return self.leader and now + for_at_least < self.until
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """The Patroni settings the window depends on, from ``GET /config``."""
+
+    ttl: float
+    loop_wait: float
+    retry_timeout: float
+
+    @classmethod
+    def from_config(cls, config: Any) -> Timing:
+        if not isinstance(config, dict):
+            raise ValueError("the dynamic configuration is not a JSON object")
+        values: dict[str, float] = {}
+        for key, default in PATRONI_DEFAULTS.items():
+            raw = config.get(key, default)
+            if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+                raise ValueError(f"{key} in the dynamic configuration is not a number")
+            value = float(raw)
+            if not value > 0:
+                raise ValueError(f"{key} in the dynamic configuration is not positive")
+            values[key] = value
+        return cls(**values)
+
+    @property
+    def stale(self) -> float:
+        """The most a confirmed answer's loop read may be aged, as measured (F3)."""
+        return self.loop_wait + 2
+
+    def window(self, margin: float) -> float:
+        """Seconds a confirmation is trusted from when its request was sent."""
+        return self.ttl - self.loop_wait - max(self.retry_timeout, self.stale + 1) - margin
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """One HTTP answer of a member: status (0 when none came), Date header, JSON body."""
+
+    status: int
+    date: float | None
+    body: Any
+    error: str = ""
+
+
+def _loop_read_age(answer: Answer) -> float | None:
+    seen = answer.body.get("dcs_last_seen") if isinstance(answer.body, dict) else None
+    if answer.date is None or not isinstance(seen, (int, float)) or isinstance(seen, bool):
+        return None
+    return answer.date - float(seen)
+
+
+def _started_at(body: Any) -> datetime.datetime | None:
+    text = body.get("postmaster_start_time") if isinstance(body, dict) else None
+    if not isinstance(text, str):
+        return None
+    try:
+        value = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return value if value.tzinfo is not None else None
+
+
+def _name(body: Any) -> str | None:
+    patroni = body.get("patroni") if isinstance(body, dict) else None
+    name = patroni.get("name") if isinstance(patroni, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _scope(body: Any) -> str | None:
+    patroni = body.get("patroni") if isinstance(body, dict) else None
+    scope = patroni.get("scope") if isinstance(patroni, dict) else None
+    return scope if isinstance(scope, str) else None
+
+
+def judge(
+    answer: Answer, server: ServerIdentity, sent_at: float, timing: Timing, margin: float,
+    member: str,
+) -> Confirmation:  # fmt: skip
+    """Turn a member's answer to ``GET /leader`` (sent at ``sent_at``) into a Confirmation.
+
+    ``member`` names the member (host:port) in reasons. Pure: no I/O, no clock.
+    """
+
+    def refuse(reason: str) -> Confirmation:
+        return Confirmation(False, 0.0, f"{reason} (Patroni member at {member})", _name(body))
+
+    body = answer.body
+    if answer.status == 0:
+        return refuse(f"cannot tell: no answer ({answer.error or 'no response'})")
+    if not isinstance(body, dict):
+        return refuse(f"cannot tell: HTTP {answer.status} without a status in JSON")
+    started = _started_at(body)
+    if started is None:
+        return refuse("cannot tell: its Postgres is not running or reports no start time")
+    if started != server.started_at:
+        return refuse(
+            "cannot tell: it runs another postmaster than the lock session's server "
+            "(restarted, or another member)"
+        )
+    if answer.status == 503:
+        return refuse("not the leader: Patroni says it does not hold the leader key")
+    if answer.status != 200:
+        return refuse(f"cannot tell: HTTP {answer.status}")
+    if body.get("role") != "primary" or body.get("state") != "running":
+        return refuse(
+            f"not the leader: its Postgres is {body.get('role')!s}, {body.get('state')!s}"
+        )
+    if body.get("cluster_unlocked"):
+        return refuse("cannot tell: its view of the DCS has no leader or has expired")
+    if body.get("failsafe_mode_is_active"):
+        return refuse("cannot tell: it leads in failsafe mode, without the leader key")
+    age = _loop_read_age(answer)
+    if age is None:
+        return refuse("cannot tell: the answer lacks dcs_last_seen or a Date header")
+    if age > timing.stale:
+        return refuse(f"cannot tell: its HA loop last read the DCS {age:.0f} s ago")
+    window = timing.window(margin)
+    if window <= 0:
+        return refuse(
+            f"cannot tell: Patroni's ttl {timing.ttl:g} s is too short for its loop_wait "
+            f"{timing.loop_wait:g} s and retry_timeout {timing.retry_timeout:g} s"
+        )
+    return Confirmation(True, sent_at + window, "", _name(body))
+
+
+class LeaderFence:
+    """Confirms that a lock session's server is its Patroni cluster's leader.
+
+    Built from ``pglock_patroni_url``; one per process and setting value, shared by
+    threads. :meth:`confirm` reuses a confirmation while it stays valid for the time
+    asked, else asks the member that runs the server (``GET /leader``, and ``GET
+    /config`` when the timing is older than ``config_max_age``), all members when it
+    does not know which one.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        timeout: float = 1.0,
+        margin: float = 1.0,
+        config_max_age: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.urls = parse_urls(list(urls))
+        self.timeout = timeout
+        self.margin = margin
+        self.config_max_age = config_max_age
+        self._clock = clock
+        self._guard = threading.Lock()
+        self._timing: tuple[float, Timing] | None = None
+        self._scopes: set[str] = set()
+        #: postmaster start time -> the member URL that runs it, as last seen.
+        self._where: dict[datetime.datetime, str] = {}
+        self._last: dict[datetime.datetime, Confirmation] = {}
+        # No proxy: the members are reached directly (a proxy from the environment
+        # could answer for a member that is gone).
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    @classmethod
+    def from_setting(cls, value: str | Sequence[str]) -> LeaderFence:
+        return cls(parse_urls(value))
+
+    def confirm(self, server: ServerIdentity, *, fresh_for: float = 0.0) -> Confirmation:
+        """Is ``server`` the leader? A confirmation valid for ``fresh_for`` more seconds.
+
+        Returns within about 2 x ``timeout`` (one member), or 3 x when it must also read
+        the configuration or look for the member among all of them.
+        """
+        with self._guard:
+            last = self._last.get(server.started_at)
+            url = self._where.get(server.started_at)
+        if last is not None and last.valid(self._clock(), for_at_least=fresh_for):
+            return last
+        timing = self._current_timing(url)
+        if isinstance(timing, Confirmation):
+            return timing
+        if url is not None:
+            verdict = self._ask(url, server, timing)
+            if not verdict.reason.startswith("cannot tell: it runs another postmaster"):
+                return self._keep(server, url, verdict)
+        return self._search(server, timing)
+
+    def timing(self) -> Timing | None:
+        """The last timing read from ``GET /config``, if any."""
+        with self._guard:
+            return self._timing[1] if self._timing else None
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _keep(self, server: ServerIdentity, url: str, verdict: Confirmation) -> Confirmation:
+        with self._guard:
+            self._where[server.started_at] = url
+            self._last[server.started_at] = verdict
+            if len(self._last) > 64:  # sessions of postmasters long gone
+                oldest = next(iter(self._last))
+                self._last.pop(oldest, None)
+                self._where.pop(oldest, None)
+        return verdict
+
+    def _search(self, server: ServerIdentity, timing: Timing) -> Confirmation:
+        """Ask every member at once; the one running ``server``'s postmaster decides."""
+        with concurrent.futures.ThreadPoolExecutor(len(self.urls)) as pool:
+            verdicts = list(pool.map(lambda url: self._ask(url, server, timing), self.urls))
+        for url, verdict in zip(self.urls, verdicts, strict=True):
+            if verdict.leader or not verdict.reason.startswith("cannot tell"):
+                return self._keep(server, url, verdict)
+        other = "cannot tell: it runs another postmaster"
+        reasons = [v.reason for v in verdicts if not v.reason.startswith(other)]
+        detail = "; ".join(dict.fromkeys(reasons)) if reasons else "none runs it"
+        return Confirmation(
+            False, 0.0,
+            f"cannot tell: no Patroni member answered for the lock session's server "
+            f"{server.host}:{server.port} ({detail})",
+        )  # fmt: skip
+
+    def _ask(self, url: str, server: ServerIdentity, timing: Timing) -> Confirmation:
+        sent_at = self._clock()
+        answer = self._get(url + "/leader")
+        verdict = judge(answer, server, sent_at, timing, self.margin, _shown(url))
+        scope = _scope(answer.body)
+        with self._guard:
+            if scope is not None:
+                self._scopes.add(scope)
+            mixed = len(self._scopes) > 1
+        if mixed:
+            return Confirmation(
+                False, 0.0,
+                "cannot tell: pglock_patroni_url names members of more than one Patroni "
+                "cluster (scopes differ)",
+            )  # fmt: skip
+        return verdict
+
+    def _current_timing(self, url: str | None) -> Timing | Confirmation:
+        with self._guard:
+            cached = self._timing
+        now = self._clock()
+        if cached is not None and now - cached[0] < self.config_max_age:
+            return cached[1]
+        problems: list[str] = []
+        for candidate in [url] if url else list(self.urls):
+            answer = self._get(candidate + "/config")
+            if answer.status == 200:
+                try:
+                    timing = Timing.from_config(answer.body)
+                except ValueError as exc:
+                    problems.append(f"{_shown(candidate)}: {exc}")
+                    continue
+                with self._guard:
+                    self._timing = (now, timing)
+                return timing
+            problems.append(
+                f"{_shown(candidate)}: "
+                + (answer.error if answer.status == 0 else f"HTTP {answer.status}")
+            )
+        return Confirmation(
+            False, 0.0,
+            "cannot tell: Patroni's dynamic configuration (GET /config) could not be read: "
+            + "; ".join(problems),
+        )  # fmt: skip
+
+    def _get(self, url: str) -> Answer:
+        try:
+            with self._opener.open(url, timeout=self.timeout) as response:
+                status, headers, raw = response.status, response.headers, response.read()
+        except urllib.error.HTTPError as exc:
+            status, headers = exc.code, exc.headers
+            try:
+                raw = exc.read()
+            except OSError:
+                raw = b""
+        except (OSError, ValueError) as exc:
+            return Answer(0, None, None, _describe(exc))
+        date: float | None = None
+        if headers is not None and headers.get("Date"):
+            try:
+                date = email.utils.parsedate_to_datetime(headers["Date"]).timestamp()
+            except (TypeError, ValueError):
+                date = None
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = None
+        return Answer(status, date, body)
+
+
+def _describe(exc: BaseException) -> str:
+    """Why a request failed, without the URL (urllib quotes it in some messages)."""
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, BaseException):
+        exc = reason
+    if isinstance(exc, TimeoutError) or "timed out" in str(exc):
+        return "timed out"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    return type(exc).__name__

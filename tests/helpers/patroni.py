@@ -1,0 +1,534 @@
+"""A real 3-node Patroni + etcd cluster on loopback, started and stopped by the tests.
+
+Patroni comes from PyPI (PATRONI_VERSION, a release with the leader-key fix of Patroni's
+PR 2689) in a venv of its own (PATRONI_VENV, built by :func:`ensure_tools` or
+``make .venv-patroni/.installed-stamp``: its pins must not meet the main venv's); etcd
+from Debian's ``etcd-server``; Postgres 15 from Debian. Patroni runs as an unprivileged
+account (ACCOUNT, created when we are root) through ``setpriv``, in a tmp dir that
+account owns; every port comes from :func:`tests.helpers.services.free_port`.
+
+The members start in parallel; :meth:`PatroniCluster.start` returns once one of them
+holds the leader key, every member is healthy and the synchronous standby is named.
+:meth:`PatroniCluster.stop` ends every process it started by pid (Patroni, the
+postmasters and their children, etcd), resuming paused ones first, also on failure.
+
+``python -m tests.helpers.patroni --install`` builds what is missing;
+``python -m tests.helpers.patroni --measure`` starts a cluster, prints its start time
+and memory, and stops it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg
+
+from tests.helpers.services import free_port, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+PATRONI_VERSION = "4.1.5"
+PATRONI_VENV = Path(os.environ.get("PGLOCK_PATRONI_VENV", ROOT / ".venv-patroni"))
+PATRONI_STAMP = PATRONI_VENV / ".installed-stamp"
+PG_BINDIR = Path("/usr/lib/postgresql/15/bin")
+ETCD = "/usr/bin/etcd"
+ACCOUNT = "pglock-patroni"
+
+#: The dynamic configuration the failover tests run with: ttl 20 s is the least
+#: Patroni 4.1.5 accepts; synchronous replication so that a deposed primary
+#: acknowledges no commit.
+DCS_CONFIG: dict[str, Any] = {
+    "ttl": 20,
+    "loop_wait": 2,
+    "retry_timeout": 4,
+    "maximum_lag_on_failover": 1048576,
+    "synchronous_mode": True,
+    "synchronous_mode_strict": True,
+    "postgresql": {
+        "use_pg_rewind": True,
+        "use_slots": True,
+        "remove_data_directory_on_rewind_failure": True,
+        "remove_data_directory_on_diverged_timelines": True,
+        "parameters": {
+            "wal_level": "replica",
+            "hot_standby": "on",
+            "wal_log_hints": "on",
+            "max_wal_senders": 10,
+            "max_replication_slots": 10,
+            "max_connections": 100,
+            "wal_keep_size": "128MB",
+        },
+    },
+}
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine lacks something the cluster needs (and cannot install it)."""
+
+
+def _ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def ensure_tools() -> None:
+    """Install what is missing when we may: etcd (apt, as root), Patroni's venv, the account.
+
+    Raises ClusterUnavailable naming what is still missing.
+    """
+    root = os.geteuid() == 0
+    if not Path(ETCD).exists() and root and shutil.which("apt-get"):
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update", "-qq"], check=False, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "etcd-server"], check=False, env=env)
+    if not PATRONI_STAMP.exists():
+        # The system's Python: the account Patroni runs as must reach the interpreter
+        # (a pyenv one under /root is out of its reach).
+        python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+        subprocess.run([python, "-m", "venv", "--clear", str(PATRONI_VENV)], check=True)
+        pip = [str(PATRONI_VENV / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+        subprocess.run([*pip, f"patroni[etcd3,psycopg3]=={PATRONI_VERSION}"], check=True)
+        PATRONI_STAMP.touch()
+    if root:
+        try:
+            pwd.getpwnam(ACCOUNT)
+        except KeyError:
+            subprocess.run(
+                ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                 ACCOUNT],
+                check=True,
+            )  # fmt: skip
+    missing = [
+        what
+        for what, path in (
+            ("etcd (Debian's etcd-server)", Path(ETCD)),
+            (f"Patroni {PATRONI_VERSION} ({PATRONI_VENV})", PATRONI_VENV / "bin" / "patroni"),
+            ("Postgres 15 (Debian's postgresql-15)", PG_BINDIR / "postgres"),
+        )
+        if not path.exists()
+    ]
+    if missing:
+        raise ClusterUnavailable("cannot start a Patroni cluster, missing: " + ", ".join(missing))
+
+
+def get_json(url: str, timeout: float = 2.0) -> tuple[int, Any]:
+    """GET ``url``: (HTTP status, parsed body or None); (0, None) when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            status, body = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, body = exc.code, exc.read()
+    except (OSError, ValueError):
+        return 0, None
+    try:
+        return status, json.loads(body) if body else None
+    except ValueError:
+        return status, None
+
+
+def post_json(url: str, payload: dict[str, Any], timeout: float = 30.0) -> tuple[int, str]:
+    request = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), method="POST",
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@dataclass
+class Member:
+    """One Patroni member: its Postgres port, REST API port, data dir and process."""
+
+    name: str
+    pg_port: int
+    api_port: int
+    base: Path
+    process: subprocess.Popen[bytes] | None = None
+    log: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log = self.base / "patroni.log"
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    @property
+    def data(self) -> Path:
+        return self.base / "data"
+
+    @property
+    def dsn(self) -> str:
+        return f"host=127.0.0.1 port={self.pg_port} user=postgres dbname=postgres"
+
+    @property
+    def patroni_pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def postmaster_pid(self) -> int | None:
+        """The running postmaster's pid (from postmaster.pid), None when there is none."""
+        try:
+            pid = int((self.data / "postmaster.pid").read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return None
+        return pid if psutil.pid_exists(pid) else None
+
+    def status(self, path: str = "/patroni", timeout: float = 2.0) -> tuple[int, Any]:
+        return get_json(self.api_url + path, timeout)
+
+    def is_leader(self) -> bool:
+        return self.status("/leader")[0] == 200
+
+
+class PatroniCluster:
+    """A Patroni cluster of ``size`` members and one etcd, all on 127.0.0.1."""
+
+    def __init__(self, size: int = 3, dcs: dict[str, Any] | None = None) -> None:
+        self.size = size
+        self.dcs = DCS_CONFIG if dcs is None else dcs
+        self.scope = f"pglock-{uuid.uuid4().hex[:8]}"
+        self.base = Path(tempfile.mkdtemp(prefix="pglock-patroni-"))
+        self.account = pwd.getpwnam(ACCOUNT) if os.geteuid() == 0 else None
+        self.etcd_port = free_port()
+        self.etcd_peer_port = free_port()
+        self.etcd: subprocess.Popen[bytes] | None = None
+        self.members = [
+            Member(f"m{i}", free_port(), free_port(), self.base / f"m{i}") for i in range(size)
+        ]
+        #: Seconds from the first process started to a healthy cluster (see start()).
+        self.start_seconds: float | None = None
+
+    # -- start and stop -------------------------------------------------------------
+
+    def _own(self, path: Path) -> None:
+        if self.account is not None:
+            os.chown(path, self.account.pw_uid, self.account.pw_gid)
+
+    def _spawn(self, args: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+        prefix: list[str] = []
+        if self.account is not None:
+            # setpriv execs: the pid we get is the program's own (su would stay in
+            # between, and stops itself when its child is paused).
+            prefix = ["setpriv", f"--reuid={self.account.pw_uid}",
+                      f"--regid={self.account.pw_gid}", "--init-groups"]  # fmt: skip
+        env = {
+            "PATH": f"{PG_BINDIR}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(self.base),
+            "LANG": "C.UTF-8",
+            "PYTHONUNBUFFERED": "1",
+        }
+        with log.open("ab") as out:
+            return subprocess.Popen(
+                [*prefix, *args], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=self.base, env=env, start_new_session=True,
+            )  # fmt: skip
+
+    def _config(self, member: Member) -> dict[str, Any]:
+        hba = [
+            "local all all trust",
+            "host all all 127.0.0.1/32 trust",
+            "host replication all 127.0.0.1/32 trust",
+        ]
+        return {
+            "scope": self.scope,
+            "name": member.name,
+            "log": {"level": "INFO"},
+            "restapi": {
+                "listen": f"127.0.0.1:{member.api_port}",
+                "connect_address": f"127.0.0.1:{member.api_port}",
+            },
+            "etcd3": {"hosts": [f"127.0.0.1:{self.etcd_port}"]},
+            "bootstrap": {
+                "dcs": self.dcs,
+                "initdb": [{"encoding": "UTF8"}, {"locale": "C"}, {"username": "postgres"}],
+                "pg_hba": hba,
+            },
+            "postgresql": {
+                "listen": f"127.0.0.1:{member.pg_port}",
+                "connect_address": f"127.0.0.1:{member.pg_port}",
+                "data_dir": str(member.data),
+                "bin_dir": str(PG_BINDIR),
+                "pgpass": str(member.base / "pgpass"),
+                "authentication": {
+                    "superuser": {"username": "postgres"},
+                    "replication": {"username": "postgres"},
+                    "rewind": {"username": "postgres"},
+                },
+                "parameters": {
+                    "unix_socket_directories": str(member.base),
+                    "fsync": "off",
+                },
+                "pg_hba": hba,
+            },
+            "tags": {"nofailover": False, "noloadbalance": False},
+        }
+
+    def start(self, timeout: float = 90.0) -> None:
+        """Start etcd and every member at once; return when the cluster is healthy."""
+        ensure_tools()
+        self.base.chmod(0o755)
+        self._own(self.base)
+        started = time.monotonic()
+        etcd_dir = self.base / "etcd"
+        etcd_dir.mkdir()
+        self._own(etcd_dir)
+        client = f"http://127.0.0.1:{self.etcd_port}"
+        peer = f"http://127.0.0.1:{self.etcd_peer_port}"
+        self.etcd = self._spawn(
+            [ETCD, "--name", "etcd0", "--data-dir", str(etcd_dir / "data"),
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"etcd0={peer}", "--initial-cluster-state", "new",
+             "--enable-v2=false", "--unsafe-no-fsync", "--log-level", "warn"],
+            etcd_dir / "etcd.log",
+        )  # fmt: skip
+        wait_until(lambda: get_json(client + "/health", 1.0)[0] == 200 or self._died(), 30, "etcd")
+        self._check_alive()
+        # json is YAML: Patroni reads it as its configuration file.
+        for member in self.members:
+            member.base.mkdir()
+            self._own(member.base)
+            config = member.base / "patroni.yml"
+            config.write_text(json.dumps(self._config(member), indent=1))
+            self._own(config)
+        for member in self.members:
+            member.process = self._spawn(
+                [str(PATRONI_VENV / "bin" / "patroni"), str(member.base / "patroni.yml")],
+                member.log,
+            )
+        self.wait_healthy(timeout)
+        self.start_seconds = time.monotonic() - started
+
+    def _died(self) -> bool:
+        procs = [self.etcd, *(m.process for m in self.members)]
+        return any(p is not None and p.poll() is not None for p in procs)
+
+    def _check_alive(self) -> None:
+        if self.etcd is not None and self.etcd.poll() is not None:
+            raise RuntimeError(f"etcd exited: {self.tail(self.base / 'etcd' / 'etcd.log')}")
+
+    def tail(self, path: Path, lines: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return "(no log)"
+
+    def wait_healthy(self, timeout: float = 90.0, exclude: Sequence[Member] = ()) -> Member:
+        """Wait until a member leads, the others (but ``exclude``) stream, a sync standby is set."""
+
+        def healthy() -> Member | None:
+            for member in self.members:
+                if member.process is not None and member.process.poll() is not None:
+                    raise RuntimeError(f"{member.name}'s Patroni exited:\n{self.tail(member.log)}")
+            leader = self.leader()
+            if leader is None:
+                return None
+            status, cluster = leader.status("/cluster")
+            if status != 200 or not cluster:
+                return None
+            members = {m["name"]: m for m in cluster.get("members", [])}
+            wanted = [m for m in self.members if m not in exclude]
+            if any(members.get(m.name, {}).get("state") not in ("running", "streaming")
+                   for m in wanted):  # fmt: skip
+                return None
+            if not any(m.get("role") == "sync_standby" for m in members.values()):
+                return None
+            return leader
+
+        try:
+            return wait_until(healthy, timeout, "a healthy Patroni cluster", interval=0.1)
+        except AssertionError as exc:
+            logs = "\n".join(f"--- {m.name}\n{self.tail(m.log)}" for m in self.members)
+            raise AssertionError(f"{exc}\n{logs}") from None
+
+    def stop(self) -> None:
+        """End every process this cluster started, by pid; remove its files."""
+        pids: list[int] = []
+        for member in self.members:
+            if member.process is not None and member.process.poll() is None:
+                pids.append(member.process.pid)
+        postmasters = [pid for m in self.members if (pid := m.postmaster_pid()) is not None]
+        # Patroni first, so that it restarts nothing; then the postmasters (SIGQUIT ends
+        # their children at once); etcd last.
+        for pid in pids:
+            _signal(pid, signal.SIGCONT)
+            _signal(pid, signal.SIGKILL)
+        for member in self.members:
+            if member.process is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    member.process.wait(10)
+        children: list[psutil.Process] = []
+        for pid in postmasters:
+            with contextlib.suppress(psutil.Error):
+                children += psutil.Process(pid).children(recursive=True)
+            _signal(pid, signal.SIGCONT)
+            _signal(pid, signal.SIGQUIT)
+        for child in children:
+            _signal(child.pid, signal.SIGCONT)
+        _gone, alive = psutil.wait_procs(
+            [p for pid in postmasters if (p := _process(pid)) is not None] + children, timeout=10
+        )
+        for proc in alive:
+            _signal(proc.pid, signal.SIGKILL)
+        if self.etcd is not None and self.etcd.poll() is None:
+            self.etcd.terminate()
+            try:
+                self.etcd.wait(10)
+            except subprocess.TimeoutExpired:
+                self.etcd.kill()
+                self.etcd.wait(10)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+    # -- what the tests look at -----------------------------------------------------
+
+    def leader(self) -> Member | None:
+        """The member whose REST API says it holds the leader key, if exactly one does."""
+        with concurrent.futures.ThreadPoolExecutor(len(self.members)) as pool:
+            answers = list(pool.map(lambda m: m.is_leader(), self.members))
+        leaders = [m for m, yes in zip(self.members, answers, strict=True) if yes]
+        return leaders[0] if len(leaders) == 1 else None
+
+    def member(self, name: str) -> Member:
+        return next(m for m in self.members if m.name == name)
+
+    @property
+    def urls(self) -> str:
+        """The value of pglock_patroni_url for this cluster."""
+        return ",".join(m.api_url for m in self.members)
+
+    def dsn(self, order: Sequence[int] | None = None, dbname: str = "postgres") -> str:
+        """A multi-host DSN listing the members in ``order``, read-write target."""
+        order = range(len(self.members)) if order is None else order
+        hosts = ",".join("127.0.0.1" for _ in order)
+        ports = ",".join(str(self.members[i].pg_port) for i in order)
+        return (
+            f"host={hosts} port={ports} user=postgres dbname={dbname} "
+            "target_session_attrs=read-write connect_timeout=2"
+        )
+
+    def config(self) -> dict[str, Any]:
+        for member in self.members:
+            status, body = member.status("/config")
+            if status == 200 and body:
+                return dict(body)
+        raise RuntimeError("no member answered GET /config")
+
+    def patch_config(self, changes: dict[str, Any]) -> None:
+        for member in self.members:
+            request = urllib.request.Request(
+                member.api_url + "/config", data=json.dumps(changes).encode(), method="PATCH",
+                headers={"Content-Type": "application/json"},
+            )  # fmt: skip
+            with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=10):
+                return
+        raise RuntimeError("no member accepted PATCH /config")
+
+    def switchover(self, candidate: Member | None = None) -> tuple[Member, Member]:
+        """Ask the leader to hand over (to ``candidate`` or the sync standby); (old, new)."""
+        old = self.leader()
+        if old is None:
+            raise RuntimeError("no leader to switch over from")
+        if candidate is None:
+            _, cluster = old.status("/cluster")
+            sync = [m["name"] for m in cluster["members"] if m.get("role") == "sync_standby"]
+            candidate = self.member(sync[0])
+        status, text = post_json(
+            old.api_url + "/switchover", {"leader": old.name, "candidate": candidate.name}
+        )
+        if status != 200:
+            raise RuntimeError(f"switchover refused: {status} {text}")
+        return old, candidate
+
+    def processes(self) -> list[psutil.Process]:
+        """etcd, each Patroni, each postmaster and its children."""
+        procs: list[psutil.Process] = []
+        pids = [self.etcd.pid if self.etcd else None]
+        pids += [m.patroni_pid for m in self.members]
+        pids += [m.postmaster_pid() for m in self.members]
+        for pid in pids:
+            proc = _process(pid) if pid is not None else None
+            if proc is None:
+                continue
+            procs.append(proc)
+            if pid in [m.postmaster_pid() for m in self.members]:
+                with contextlib.suppress(psutil.Error):
+                    procs += proc.children(recursive=True)
+        return procs
+
+    def memory(self) -> dict[str, int]:
+        """Bytes: the sum of resident set sizes, and of proportional ones (shared pages split)."""
+        rss = pss = 0
+        for proc in self.processes():
+            with contextlib.suppress(psutil.Error):
+                info = proc.memory_full_info()
+                rss += info.rss
+                pss += getattr(info, "pss", info.rss)
+        return {"rss": rss, "pss": pss}
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def writable(dsn: str) -> bool:
+    try:
+        with psycopg.connect(dsn, connect_timeout=2, autocommit=True) as conn:
+            row = conn.execute("SELECT NOT pg_is_in_recovery()").fetchone()
+    except psycopg.Error:
+        return False
+    return bool(row and row[0])
+
+
+@contextlib.contextmanager
+def patroni_cluster(size: int = 3) -> Iterator[PatroniCluster]:
+    """Start a cluster, yield it, stop it (also when starting fails half-way)."""
+    cluster = PatroniCluster(size)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _main(argv: Sequence[str]) -> int:
+    if "--install" in argv:
+        ensure_tools()
+        print(f"Patroni {PATRONI_VERSION} in {PATRONI_VENV}, etcd at {ETCD}: ready")
+    if "--measure" in argv:
+        with patroni_cluster() as cluster:
+            memory = cluster.memory()
+            print(
+                f"started in {cluster.start_seconds:.1f} s; {len(cluster.processes())} processes; "
+                f"RSS {memory['rss'] / 2**20:.0f} MiB, PSS {memory['pss'] / 2**20:.0f} MiB"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

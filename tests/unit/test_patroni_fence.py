@@ -1,0 +1,304 @@
+"""The Patroni leader fence: the setting's parsing, the trust window, the verdicts.
+
+The fence talks HTTP to a scripted server in a thread here (a real socket and urllib);
+tests/failover/test_leader_fence.py runs it against a real Patroni cluster.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from pglock_celery.config import load_config
+from pglock_celery.exceptions import ConfigurationError
+from pglock_celery.patroni import (
+    Answer,
+    LeaderFence,
+    ServerIdentity,
+    Timing,
+    judge,
+    parse_urls,
+)
+
+STARTED = datetime.datetime(2026, 12, 1, 9, 0, 0, 123456, tzinfo=datetime.timezone.utc)
+SERVER = ServerIdentity("127.0.0.1", 5432, STARTED)
+TIMING = Timing(ttl=20, loop_wait=2, retry_timeout=4)
+
+
+def leader_body(**changes: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "state": "running",
+        "postmaster_start_time": str(STARTED),
+        "role": "primary",
+        "timeline": 1,
+        "dcs_last_seen": 1_000,
+        "patroni": {"version": "4.1.5", "scope": "demo", "name": "m0"},
+    }
+    body.update(changes)
+    return body
+
+
+def answer(status: int = 200, age: float = 1.0, **changes: Any) -> Answer:
+    return Answer(status, 1_000 + age, leader_body(**changes))
+
+
+# -- the setting ---------------------------------------------------------------------
+
+
+def test_urls_are_split_on_commas_stripped_and_deduplicated() -> None:
+    assert parse_urls(" http://10.0.0.1:8008/ ,https://db2:8008,http://10.0.0.1:8008") == (
+        "http://10.0.0.1:8008",
+        "https://db2:8008",
+    )
+    assert parse_urls(["http://a:1", "http://b:2"]) == ("http://a:1", "http://b:2")
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("ftp://a:1", "must start with http"),
+        ("http://a:1,,http://b:2", "URL 2 is empty"),
+        ("http://:8008", "no host"),
+        ("http://a:notaport", "does not parse"),
+        ("http://a:1/?x=1", "query or fragment"),
+        (8008, "comma-separated"),
+    ],
+)
+def test_bad_urls_are_refused_saying_why(raw: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_urls(raw)
+
+
+def test_a_url_with_credentials_is_refused_without_quoting_them() -> None:
+    with pytest.raises(ValueError, match="credentials") as refused:
+        parse_urls("http://admin:s3cret@10.0.0.1:8008")
+    assert "s3cret" not in str(refused.value)
+    with pytest.raises(ConfigurationError) as invalid:
+        load_config({"pglock_patroni_url": "http://admin:s3cret@10.0.0.1:8008"}, {})
+    assert "s3cret" not in str(invalid.value)
+    assert "pglock_patroni_url" in str(invalid.value)
+
+
+def test_the_setting_comes_from_app_conf_or_pglock_patroni_url_and_defaults_to_none() -> None:
+    assert load_config({}, {}).patroni_url is None
+    from_env = load_config({}, {"PGLOCK_PATRONI_URL": "http://a:8008,http://b:8008"})
+    assert from_env.patroni_url == ("http://a:8008", "http://b:8008")
+    from_conf = load_config({"pglock_patroni_url": ["http://c:8008"]}, {})
+    assert from_conf.patroni_url == ("http://c:8008",)
+    with pytest.raises(ConfigurationError, match="PGLOCK_PATRONI_URL"):
+        load_config({}, {"PGLOCK_PATRONI_URL": "10.0.0.1:8008"})
+
+
+# -- the window ----------------------------------------------------------------------
+
+
+def test_the_window_is_ttl_less_loop_wait_less_the_longer_of_retry_and_stale_read_less_margin() -> (
+    None
+):
+    assert Timing(20, 2, 4).window(margin=1) == 20 - 2 - 5 - 1  # stale read 4 s + 1
+    assert Timing(30, 10, 10).window(margin=1) == 30 - 10 - 13 - 1
+    assert Timing(40, 2, 10).window(margin=1) == 40 - 2 - 10 - 1
+
+
+def test_patronis_defaults_fill_in_absent_keys_and_nonsense_is_refused() -> None:
+    assert Timing.from_config({}) == Timing(30, 10, 10)
+    assert Timing.from_config({"ttl": "20", "loop_wait": 2}) == Timing(20, 2, 10)
+    for bad in ({"ttl": 0}, {"ttl": True}, {"loop_wait": [2]}, []):
+        with pytest.raises(ValueError):
+            Timing.from_config(bad)
+
+
+# -- the verdict on one answer ---------------------------------------------------------
+
+
+def test_a_leader_answer_is_trusted_from_when_the_request_was_sent() -> None:
+    verdict = judge(answer(), SERVER, sent_at=100.0, timing=TIMING, margin=1.0, member="m")
+    assert verdict.leader and verdict.member == "m0"
+    assert verdict.until == 100.0 + TIMING.window(1.0)
+    assert verdict.valid(now=100.0 + TIMING.window(1.0) - 0.01)
+    assert not verdict.valid(now=100.0 + TIMING.window(1.0))
+    assert not verdict.valid(now=100.0, for_at_least=TIMING.window(1.0))
+
+
+@pytest.mark.parametrize(
+    ("given", "reason"),
+    [
+        (answer(503, role="replica"), "not the leader: Patroni says"),
+        (answer(postmaster_start_time=str(STARTED + datetime.timedelta(seconds=1))), "another"),
+        (answer(postmaster_start_time=None, state="stopped"), "not running"),
+        (answer(role="replica"), "not the leader: its Postgres is replica"),
+        (answer(state="starting"), "not the leader"),
+        (answer(cluster_unlocked=True), "no leader or has expired"),
+        (answer(failsafe_mode_is_active=True), "failsafe"),
+        (answer(age=TIMING.stale + 1), "HA loop last read the DCS 5 s ago"),
+        (Answer(200, None, leader_body()), "Date header"),
+        (answer(dcs_last_seen=None), "dcs_last_seen"),
+        (Answer(0, None, None, "timed out"), "cannot tell: no answer (timed out)"),
+        (Answer(502, 1000.0, None), "cannot tell: HTTP 502"),
+    ],
+)
+def test_an_answer_that_does_not_prove_leadership_is_refused(given: Answer, reason: str) -> None:
+    verdict = judge(given, SERVER, sent_at=100.0, timing=TIMING, margin=1.0, member="10.0.0.1:1")
+    assert not verdict.leader and verdict.until == 0.0
+    assert reason in verdict.reason
+    assert "10.0.0.1:1" in verdict.reason
+
+
+def test_a_loop_read_as_old_as_allowed_is_still_trusted() -> None:
+    verdict = judge(answer(age=TIMING.stale), SERVER, 0.0, TIMING, 1.0, "m")
+    assert verdict.leader
+
+
+def test_a_ttl_too_short_for_the_loop_confirms_nothing() -> None:
+    verdict = judge(answer(), SERVER, 0.0, Timing(10, 5, 4), 1.0, "m")
+    assert not verdict.leader and "too short" in verdict.reason
+
+
+# -- the fence over HTTP ---------------------------------------------------------------
+
+
+class Member:
+    """A scripted Patroni REST API on a loopback port: /leader and /config."""
+
+    def __init__(self, body: dict[str, Any], status: int = 200) -> None:
+        self.body, self.status = body, status
+        self.config: dict[str, Any] = {"ttl": 20, "loop_wait": 2, "retry_timeout": 4}
+        self.requests: list[str] = []
+        member = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                member.requests.append(self.path)
+                if self.path == "/config":
+                    code, payload = 200, member.config
+                else:
+                    code = member.status
+                    payload = dict(member.body, dcs_last_seen=int(time.time()))
+                data = json.dumps(payload).encode()
+                self.send_response(code)  # adds the Date header, as Patroni's does
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def members() -> Iterator[list[Member]]:
+    started = [
+        Member(leader_body()),
+        Member(
+            leader_body(
+                role="replica",
+                postmaster_start_time=str(STARTED + datetime.timedelta(seconds=5)),
+                patroni={"scope": "demo", "name": "m1"},
+            ),
+            status=503,
+        ),
+    ]
+    yield started
+    for member in started:
+        member.close()
+
+
+def test_the_fence_finds_the_member_running_the_server_and_confirms_it(
+    members: list[Member],
+) -> None:
+    fence = LeaderFence([m.url for m in reversed(members)])
+    before = time.monotonic()
+    verdict = fence.confirm(SERVER)
+    assert verdict.leader and verdict.member == "m0"
+    assert before + TIMING.window(fence.margin) <= verdict.until
+    assert verdict.until <= time.monotonic() + TIMING.window(fence.margin)
+    replica = ServerIdentity("127.0.0.1", 5433, STARTED + datetime.timedelta(seconds=5))
+    refused = fence.confirm(replica)
+    assert not refused.leader and "not the leader" in refused.reason
+
+
+def test_a_confirmation_is_reused_while_it_stays_valid_long_enough(members: list[Member]) -> None:
+    fence = LeaderFence([members[0].url])
+    first = fence.confirm(SERVER)
+    asked = len(members[0].requests)
+    assert fence.confirm(SERVER, fresh_for=1.0) is first
+    assert len(members[0].requests) == asked
+    again = fence.confirm(SERVER, fresh_for=TIMING.window(fence.margin))
+    assert again.leader and again is not first
+    assert len(members[0].requests) == asked + 1
+
+
+def test_the_configuration_is_read_again_once_older_than_its_max_age(
+    members: list[Member],
+) -> None:
+    now = [1000.0]
+    fence = LeaderFence([members[0].url], config_max_age=5.0, clock=lambda: now[0])
+    assert fence.confirm(SERVER).until == 1000.0 + 12.0
+    members[0].config = {"ttl": 30, "loop_wait": 2, "retry_timeout": 4}
+    now[0] += 4.0
+    assert fence.confirm(SERVER, fresh_for=20).until == 1004.0 + 12.0  # cached timing
+    now[0] += 2.0
+    assert fence.confirm(SERVER, fresh_for=20).until == 1006.0 + 22.0
+    assert members[0].requests.count("/config") == 2
+
+
+def test_a_member_that_accepts_but_never_answers_is_cannot_tell_within_the_timeout(
+    members: list[Member],
+) -> None:
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel accepts; nothing ever answers (a paused Patroni)
+    try:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        fence = LeaderFence([members[0].url, url], timeout=0.5)
+        elsewhere = ServerIdentity("127.0.0.1", 5439, STARTED + datetime.timedelta(hours=1))
+        began = time.monotonic()
+        verdict = fence.confirm(elsewhere)
+        took = time.monotonic() - began
+    finally:
+        silent.close()
+    assert not verdict.leader
+    assert "cannot tell" in verdict.reason and "timed out" in verdict.reason
+    assert took < 1.5
+
+
+def test_nobody_answering_for_the_server_is_cannot_tell_naming_it(members: list[Member]) -> None:
+    fence = LeaderFence([members[1].url])
+    verdict = fence.confirm(SERVER)
+    assert not verdict.leader
+    assert "cannot tell" in verdict.reason and "127.0.0.1:5432" in verdict.reason
+
+
+def test_members_of_two_clusters_are_refused(members: list[Member]) -> None:
+    members[1].body["patroni"] = {"scope": "other", "name": "x"}
+    fence = LeaderFence([members[1].url, members[0].url])
+    fence.confirm(ServerIdentity("h", 1, STARTED + datetime.timedelta(seconds=5)))
+    verdict = fence.confirm(SERVER)
+    assert not verdict.leader and "more than one Patroni cluster" in verdict.reason
+
+
+def test_a_proxy_in_the_environment_is_not_used(
+    members: list[Member], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    assert LeaderFence([members[0].url]).confirm(SERVER).leader
