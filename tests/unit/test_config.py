@@ -106,7 +106,7 @@ def test_a_changed_config_class_counts_at_the_next_call(monkeypatch: pytest.Monk
 
     app = Celery("cfg", set_as_current=False)
     app.config_from_object(Settings)
-    assert get_config(app).on_lost == "raise"
+    assert get_config(app).on_lost == "interrupt"
     monkeypatch.setattr(Settings, "pglock_on_lost", "terminate", raising=False)
     assert get_config(app).on_lost == "terminate"
 
