@@ -165,6 +165,13 @@ class AdvisoryLock:
             on_lost=self._on_lost,
         )
         granted = source.acquire(hold, wait=self._wait, timeout=self._timeout)
+        if granted and source.fence is not None:
+            problem = source.leader_problem(hold.session)
+            if problem is not None:  # a lock on a server that may not lead is no lock
+                hold.granted = True
+                with contextlib.suppress(PglockError):
+                    source.release(hold, clean=False)
+                raise LockLost(f"lock {self.label} was granted but not valid: {problem}")
         self._hold = hold
         if granted:
             monitor.watch(hold)

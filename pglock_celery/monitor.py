@@ -153,9 +153,10 @@ class Hold:
                 "reason": reason,
             },
         )
-        self.source.lost(self, reason)
+        # The body is told first: ending the session may wait on a frozen server.
         if self.on_lost is not None:
             self.on_lost(self, reason)
+        self.source.lost(self, reason)
 
 
 class Monitor:

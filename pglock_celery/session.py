@@ -33,7 +33,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import psycopg
 from psycopg import errors, generators, pq, waiting
@@ -51,6 +51,7 @@ from .handles import (
     finish_interrupted,
     green_wait,
 )
+from .patroni import ServerIdentity, server_identity
 
 #: Postgres truncates application_name to NAMEDATALEN - 1 bytes.
 APPLICATION_NAME_MAX_BYTES = 63
@@ -222,6 +223,7 @@ def open_session(config: PglockConfig, app_name: str) -> LockSession:
         ) from exc
     try:
         backend_pid, pooled = _verify_session(conn, config, token)
+        identity = server_identity(conn) if config.patroni_url else None
     except psycopg.Error as exc:
         conn.close()
         reason = " ".join(str(exc).split())
@@ -231,7 +233,10 @@ def open_session(config: PglockConfig, app_name: str) -> LockSession:
     except BaseException:
         conn.close()
         raise
-    return LockSession(conn, dsn, backend_pid=backend_pid, token=token, pooled=pooled)
+    session = LockSession(conn, dsn, backend_pid=backend_pid, token=token, pooled=pooled)
+    session.identity = identity
+    session.statement_deadline = max(STATEMENT_DEADLINE, config.tcp_user_timeout)
+    return session
 
 
 def _verify_session(
@@ -288,6 +293,10 @@ _PEEK_BYTES = 8192
 #: session: an ErrorResponse (FATAL: terminated, shut down) or a NoticeResponse
 #: (WARNING: a crash of another backend resets them all).
 _GOODBYES = (b"E", b"N")
+#: The least time the library waits for the answer to one of its own statements
+#: (pglock_tcp_user_timeout if longer): a server that does not answer is frozen or
+#: gone, and a session on it a failed one.
+STATEMENT_DEADLINE = 5.0
 #: Seconds between wake-ups while waiting for the server (signals are handled then).
 _WAIT_INTERVAL = 0.1
 #: SQLSTATE of a prepared statement that is not there (a holder deallocated it).
@@ -329,6 +338,10 @@ class LockSession:
         self._prepared: set[bytes] = set()
         #: Whether a holder got a handle since the session was last reset.
         self.handed_out = False
+        #: Seconds the library waits for the answer to one of its statements.
+        self.statement_deadline: float | None = None
+        #: The server the session is on, for the Patroni fence (when configured).
+        self.identity: ServerIdentity | None = None
         # How to wait for the server: psycopg's own, or one gevent or eventlet can
         # switch out of (chosen here: green libraries patch before sessions open).
         self._wait = green_wait() or waiting.wait
@@ -398,36 +411,46 @@ class LockSession:
         return not any(kind in _GOODBYES for kind in _message_types(pending))
 
     def query(
-        self, name: bytes, text: bytes, params: Sequence[bytes | None] = ()
+        self,
+        name: bytes,
+        text: bytes,
+        params: Sequence[bytes | None] = (),
+        *,
+        deadline: float | Literal["default"] | None = "default",
     ) -> pq.abc.PGresult:
         """Run one of the library's statements; return its result or raise psycopg.Error.
 
         Straight at the libpq level, waiting as psycopg does (cooperatively
         under gevent and eventlet). A statement is prepared as ``name`` the
         second time the session runs it. A holder may have dropped it
-        (DEALLOCATE): then it runs unprepared and is prepared again later.
+        (DEALLOCATE): then it runs unprepared and is prepared again later. A
+        statement unanswered after ``deadline`` seconds (the session's
+        ``statement_deadline`` by default; None: no bound) fails and closes the
+        session: a server that stopped answering (paused, frozen) is a failed one.
         """
         pgconn = self.pgconn
+        if deadline == "default":
+            deadline = self.statement_deadline
         with self.guard:
             if name in self._prepared:
                 pgconn.send_query_prepared(name, params)
-                result = self._result()
+                result = self._result(deadline)
                 if result.error_field(pq.DiagnosticField.SQLSTATE) == _NO_SUCH_STATEMENT:
                     self._prepared.discard(name)
                     pgconn.send_query_params(text, params)
-                    result = self._result()
+                    result = self._result(deadline)
             elif name in self._used:
                 pgconn.send_prepare(name, text)
-                if self._result().status == pq.ExecStatus.COMMAND_OK:
+                if self._result(deadline).status == pq.ExecStatus.COMMAND_OK:
                     self._prepared.add(name)
                     pgconn.send_query_prepared(name, params)
                 else:
                     pgconn.send_query_params(text, params)
-                result = self._result()
+                result = self._result(deadline)
             else:
                 self._used.add(name)
                 pgconn.send_query_params(text, params)
-                result = self._result()
+                result = self._result(deadline)
         if result.status != pq.ExecStatus.TUPLES_OK:
             raise errors.error_from_result(result, encoding=self.conn.info.encoding)
         return result
@@ -442,14 +465,21 @@ class LockSession:
         self._prepared.clear()
         self._used.clear()
 
-    def _result(self) -> pq.abc.PGresult:
-        """Wait for the result of the statement just sent."""
+    def _result(self, deadline: float | None) -> pq.abc.PGresult:
+        """Wait for the result of the statement just sent, up to ``deadline`` seconds."""
         try:
             generator = generators.execute(self.pgconn)
             results: list[pq.abc.PGresult] = self._wait(
-                generator, self.pgconn.socket, interval=_WAIT_INTERVAL
+                generator, self.pgconn.socket, interval=_WAIT_INTERVAL, timeout=deadline
             )
-        except psycopg.Error:
+        except psycopg.Error as exc:
+            if self.pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
+                # No answer in time: the server is frozen or gone; nothing of it
+                # can be trusted, and a cancel would wait on it too.
+                self.close()
+                raise psycopg.OperationalError(
+                    f"the server did not answer a statement of the library within {deadline:g} s"
+                ) from exc
             raise
         except BaseException:
             # Interrupted (a time limit, gevent.Timeout): the statement is cancelled

@@ -157,6 +157,9 @@ CHECK: Statement = (
 )
 #: End this session's own backend: a session that lives on without its lock must
 #: commit nothing more.
-TERMINATE_SELF = b"SELECT pg_catalog.pg_terminate_backend(pg_catalog.pg_backend_pid())"
+TERMINATE_SELF: Statement = (
+    b"pglock_terminate_self",
+    b"SELECT pg_catalog.pg_terminate_backend(pg_catalog.pg_backend_pid())",
+)
 #: The backend a new session landed on, and whether its startup options are in force.
 VERIFY_SESSION = b"SELECT pg_catalog.pg_backend_pid(), pg_catalog.current_setting(%s, true)"

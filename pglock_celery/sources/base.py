@@ -6,7 +6,7 @@ import abc
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import psycopg
@@ -17,6 +17,7 @@ from ..config import PglockConfig
 from ..exceptions import LockLost
 from ..inspect import Holder, holder_on
 from ..monitor import Hold, Monitor, one_line
+from ..patroni import LeaderFence
 from ..session import LockSession
 
 
@@ -34,12 +35,17 @@ CONNECT, REUSE, SHARED = "connect", "reuse", "shared"
 
 @contextlib.contextmanager
 def fenced_transaction(
-    session: LockSession, handle: psycopg.Connection[Any], keys: list[int], own: int
+    session: LockSession,
+    handle: psycopg.Connection[Any],
+    keys: list[int],
+    own: int,
+    before_commit: Callable[[], None],
 ) -> Iterator[psycopg.Connection[Any]]:
     """``handle`` inside a transaction that can commit only while the session holds ``keys``.
 
     Every key of the session is pinned for the transaction's length (sql.py,
-    PIN_FOR_TRANSACTION) and held again before it ends; nested, it is a savepoint.
+    PIN_FOR_TRANSACTION) and held again before it ends; ``before_commit`` may
+    still refuse the commit (LockLost); nested, it is a savepoint.
     A failure of the session itself is a lost lock (LockLost, its cause chained).
     """
     if handle.pgconn.transaction_status != pq.TransactionStatus.IDLE:
@@ -58,6 +64,7 @@ def fenced_transaction(
             finally:
                 if handle.pgconn.transaction_status == pq.TransactionStatus.INTRANS:
                     handle.execute(sql.RESTORE_AFTER_TRANSACTION, (keys,))
+            before_commit()
     except psycopg.Error as exc:
         if session.closed or not session.alive():
             raise LockLost(
@@ -78,6 +85,28 @@ class Source(abc.ABC):
         self._mutex = threading.Lock()
         #: Every session this source opened and has not closed (a fork closes them).
         self._sessions: set[LockSession] = set()
+        #: With pglock_patroni_url: a lock is valid only while its server is confirmed
+        #: as the cluster's leader (patroni.py), confirmed afresh before each check
+        #: when the last confirmation would not outlast the next one.
+        self.fence = LeaderFence.from_setting(config.patroni_url) if config.patroni_url else None
+        self._fresh_for = 1.25 * config.check_interval + 3 * (
+            self.fence.timeout if self.fence else 0
+        )
+
+    def leader_problem(self, session: LockSession | None) -> str | None:
+        """Why ``session``'s server is not (or cannot be told to be) the leader, or None.
+
+        Always None without a fence. Asks no statement of the session: a frozen or
+        busy session is judged all the same.
+        """
+        if self.fence is None or session is None:
+            return None
+        if session.identity is None:
+            return "its server's identity is unknown: the Patroni leader cannot be confirmed"
+        verdict = self.fence.confirm(session.identity, fresh_for=self._fresh_for)
+        if verdict.valid(for_at_least=self._fresh_for):
+            return None
+        return f"its server is not confirmed as the Patroni cluster's leader: {verdict.reason}"
 
     @abc.abstractmethod
     def acquire(self, hold: Hold, *, wait: bool, timeout: float | None) -> bool:
@@ -119,6 +148,9 @@ class Source(abc.ABC):
         in between; with ``wait`` False it gives up at once when one is running.
         """
         session = hold.session
+        problem = self.leader_problem(session)  # first: a busy session is judged too
+        if problem is not None:
+            return problem
         if session is None or not session.guard.acquire(blocking=wait):
             return None
         try:
@@ -149,6 +181,13 @@ class Source(abc.ABC):
             return None  # a statement of the holder's is under way
         finally:
             session.guard.release()
+
+    def before_commit(self, hold: Hold) -> None:
+        """Refuse the commit of a holder's transaction unless its server still leads."""
+        problem = self.leader_problem(hold.session)
+        if problem is not None:
+            hold.mark_lost(problem)
+            raise LockLost(f"lock {hold.label}: the transaction is not committed: {problem}")
 
     def holder(self, hold: Hold) -> Holder | None:
         """Who holds ``hold``'s lock now, asked on its session; None when unknown."""

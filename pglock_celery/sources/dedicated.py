@@ -109,10 +109,12 @@ class DedicatedSource(Source):
                 bound = b"%dms" % max(1, round(timeout * 1000))
                 restore = session.query(*sql.SET_WAIT_BOUND, (bound,)).get_value(0, 0)
             try:
-                waited = session.query(*sql.WAIT, (session.token.encode(), key))
+                # A wait has no deadline of the library's beyond the caller's timeout.
+                within = None if timeout is None else timeout + (session.statement_deadline or 0)
+                waited = session.query(*sql.WAIT, (session.token.encode(), key), deadline=within)
             except pg_errors.LockNotAvailable:
-                within = f"within {timeout:g} s" if timeout is not None else "(lock_timeout)"
-                raise LockTimeout(f"lock {hold.label} not obtained {within}") from None
+                spent = f"within {timeout:g} s" if timeout is not None else "(lock_timeout)"
+                raise LockTimeout(f"lock {hold.label} not obtained {spent}") from None
             if waited.get_value(0, 0) is None:
                 raise _moved(session, hold.label, None)
             params = (hold.application_name.encode(), b"," + key + b",", restore, key)
@@ -142,13 +144,14 @@ class DedicatedSource(Source):
                     keep = False
         finally:
             # Kept idle for a later lock only when nothing is in doubt and there is room.
+            kept = False
             if keep and self.reuse and not session.pooled and session.pid == os.getpid():
                 with self._mutex:
-                    keep = len(self._idle) < self.config.idle_sessions
-                    if keep:
+                    kept = len(self._idle) < self.config.idle_sessions
+                    if kept:
                         session.handed_out = False
                         self._idle.append(session)
-            if not keep:
+            if not kept:
                 self._discard(session)
 
     def _unlock(self, session: LockSession, hold: Hold) -> bool:
@@ -200,7 +203,13 @@ class DedicatedSource(Source):
 
     def transaction(self, hold: Hold) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
         assert hold.session is not None
-        return fenced_transaction(hold.session, self.connection(hold), [hold.key], hold.key)
+        return fenced_transaction(
+            hold.session,
+            self.connection(hold),
+            [hold.key],
+            hold.key,
+            lambda: self.before_commit(hold),
+        )
 
     def lost(self, hold: Hold, reason: str) -> None:
         session = hold.session
@@ -209,7 +218,7 @@ class DedicatedSource(Source):
         # Alive but without the lock (or on a standby): end the session, so that no
         # further write of this holder can commit.
         with session.guard, contextlib.suppress(psycopg.Error):
-            session.execute(sql.TERMINATE_SELF)
+            session.query(*sql.TERMINATE_SELF)  # within the statement deadline
 
     def close(self) -> None:
         with self._mutex:

@@ -233,7 +233,9 @@ class SharedSource(Source):
             with self._mutex:
                 keys = list(self._holds.get(session, {}))
             try:
-                with fenced_transaction(session, handle, keys, hold.key):
+                with fenced_transaction(
+                    session, handle, keys, hold.key, lambda: self.before_commit(hold)
+                ):
                     yield handle
             finally:
                 hold.handle = None
