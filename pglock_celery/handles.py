@@ -97,10 +97,29 @@ class SessionConnection(psycopg.Connection[Any]):
 
 
 class HandleConnection(SessionConnection):
-    """A holder's handle: closing it (``with conn:``) revokes it, never the session."""
+    """A holder's handle: closing it (``with conn:``) revokes it, never the session.
+
+    Its libpq connection is the session's own, which revoking cannot take back
+    from code that kept it: when code other than psycopg's (and ours) reads
+    ``pgconn``, the session is marked, and is closed at release instead of
+    serving another holder (a kept pgconn then finds it closed).
+    """
 
     #: Revokes this handle with a message (set by the session that made it).
     on_close: Callable[[psycopg.Connection[Any], str], None]
+    #: Called when code outside psycopg and this library reads ``pgconn``.
+    on_expose: Callable[[], None] = staticmethod(lambda: None)
+
+    @property
+    def pgconn(self) -> pq.abc.PGconn:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if not caller.startswith(("psycopg", "pglock_celery")):
+            self.on_expose()
+        return self._pgconn
+
+    @pgconn.setter
+    def pgconn(self, value: pq.abc.PGconn) -> None:
+        self._pgconn = value
 
     def close(self) -> None:
         if not self.closed:

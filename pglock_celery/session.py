@@ -338,6 +338,9 @@ class LockSession:
         self._prepared: set[bytes] = set()
         #: Whether a holder got a handle since the session was last reset.
         self.handed_out = False
+        #: Whether a holder's code read its handle's libpq connection, which it may
+        #: keep: such a session never serves another holder (handles.py).
+        self.pgconn_exposed = False
         #: Seconds the library waits for the answer to one of its statements.
         self.statement_deadline: float | None = None
         #: The server the session is on, for the Patroni fence (when configured).
@@ -357,11 +360,15 @@ class LockSession:
         """Return a connection for the holder: pristine client state, dies at revoke."""
         handle = HandleConnection(self.pgconn)
         handle.on_close = self.revoke_one
+        handle.on_expose = self._exposed
         handle.lock = self.guard  # type: ignore[assignment]
         handle.autocommit = True
         self._handles.append(handle)
         self.handed_out = True
         return handle
+
+    def _exposed(self) -> None:
+        self.pgconn_exposed = True
 
     def revoke(self, message: str) -> None:
         """Make every handle given out so far fail on its next statement."""

@@ -145,7 +145,13 @@ class DedicatedSource(Source):
         finally:
             # Kept idle for a later lock only when nothing is in doubt and there is room.
             kept = False
-            if keep and self.reuse and not session.pooled and session.pid == os.getpid():
+            if (
+                keep
+                and self.reuse
+                and not session.pooled
+                and not session.pgconn_exposed
+                and session.pid == os.getpid()
+            ):
                 with self._mutex:
                     kept = len(self._idle) < self.config.idle_sessions
                     if kept:

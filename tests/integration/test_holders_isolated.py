@@ -198,3 +198,36 @@ def test_a_write_under_the_lock_cannot_be_prepared_to_commit_after_release(
     with psycopg.connect(dsn, autocommit=True) as admin:
         assert admin.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone() == (0,)
         assert admin.execute("SELECT count(*) FROM steps").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("strategy", ["reuse", "connect"])
+def test_a_kept_libpq_connection_runs_nothing_on_the_next_holders_session(
+    pg_dsn: str, run_id: str, strategy: str
+) -> None:
+    """A holder that keeps lock.connection.pgconn cannot free the next holder's lock."""
+    first = lock(pg_dsn, f"t:A:{run_id}", strategy=strategy)
+    assert first.acquire()
+    kept = first.connection.pgconn
+    first.release()
+    second = lock(pg_dsn, f"t:B:{run_id}", strategy=strategy)
+    assert second.acquire()
+    try:
+        result = kept.exec_(b"SELECT pg_advisory_unlock_all()")
+        assert result.status != psycopg.pq.ExecStatus.TUPLES_OK
+    except psycopg.Error:
+        pass  # the connection it kept is closed
+    assert not free_elsewhere(pg_dsn, f"t:B:{run_id}")
+    assert second.held()
+    second.release()
+
+
+def test_a_session_whose_handle_was_only_used_through_psycopg_serves_the_next_holder(
+    pg_dsn: str, run_id: str
+) -> None:
+    """Reading pgconn is what psycopg does for every statement: that alone keeps reuse."""
+    with lock(pg_dsn, f"t:A:{run_id}") as first:
+        with first.connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        backend = first.connection.info.backend_pid
+    with lock(pg_dsn, f"t:B:{run_id}") as second:
+        assert second.connection.info.backend_pid == backend
