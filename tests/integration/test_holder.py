@@ -12,6 +12,7 @@ import pytest
 from celery import Celery
 
 from pglock_celery import LockUnavailable, PglockError, holder, lock_key, try_lock
+from tests.helpers.probes import lock
 
 
 @pytest.fixture
@@ -104,3 +105,15 @@ def test_a_bad_argument_is_refused_before_connecting(bad: Any, error: type[Excep
     with pytest.raises(error) as raised:
         holder(bad, dsn="host=127.0.0.1 port=1 dbname=none")
     assert isinstance(raised.value, PglockError)
+
+
+def test_a_skip_reports_a_hand_rolled_holder_found_by_key(pg_dsn: str, run_id: str) -> None:
+    """No library holder names the lock: the skip's report falls back to pg_locks."""
+    name = f"hand:{run_id}"
+    with psycopg.connect(pg_dsn, autocommit=True) as hand:
+        hand.execute("SELECT pg_advisory_lock(%s)", (lock_key(name),))
+        refused = lock(pg_dsn, name)
+        assert not refused.acquire()
+        found = refused.holder()
+        refused.release()
+        assert found is not None and found.backend_pid == hand.info.backend_pid
