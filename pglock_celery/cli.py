@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 
-from . import __version__
+from . import __version__, sql
 from .config import PglockConfig
 from .doctor import run_checks
 from .dsn import describe_target, dsn_problem, redact
@@ -86,7 +86,7 @@ def _shown_name(holder: Holder) -> str:
 def cmd_locks(args: argparse.Namespace) -> int:
     dsn = _dsn(args)
     with connect(dsn) as conn:
-        now = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+        now = conn.execute(sql.SERVER_NOW).fetchone()[0]  # type: ignore[index]
         holders = [
             h
             for h in list_holders(conn)

@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 from celery import current_app
 
+from . import sql
 from .config import PglockConfig, get_config
 from .dsn import describe_target, redact
 from .exceptions import LockUnavailable, PglockError
@@ -32,44 +33,9 @@ from .session import (
 
 logger = logging.getLogger("pglock_celery.lock")
 
-# Advisory locks are per database; a bigint key shows as classid/objid with
-# objsubid = 1 (two int4 keys use objsubid = 2 and are not ours).
-_HELD_LOCKS = """
-SELECT l.classid::int8, l.objid::int8, a.pid, a.application_name,
-       host(a.client_addr), a.backend_start, a.state_change, a.state
-FROM pg_locks l
-JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-"""
-
-HOLDER_OF_KEY = _HELD_LOCKS + " AND l.classid = %s::int8::oid AND l.objid = %s::int8::oid"
-
-# A lock session carries its lock's name last in its application_name (see
-# connection.application_name): the holder of a name is found in pg_stat_activity,
-# whose size is the number of sessions, never in pg_locks, whose size is the number
-# of locks. A name cut at 63 bytes matches by the prefix that survived.
-# Bytes for libpq: run on the lock session, prepared there once it is used again.
-NAMED_HOLDER = (
-    b"pglock_holder",
-    b"SELECT pid, application_name, host(client_addr), to_json(backend_start) #>> '{}',"
-    b" to_json(state_change) #>> '{}', state FROM ("
-    b" SELECT *, substring(application_name from '^(?:[^|]*[|]){4}(.*)$') AS tail"
-    b" FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
-    b") AS a WHERE tail = $1 OR (octet_length(application_name) >= $2::int AND tail <> ''"
-    b" AND starts_with($1, tail)) ORDER BY tail = $1 DESC LIMIT 1",
-)
-ALL_HELD = _HELD_LOCKS + " ORDER BY a.backend_start, a.pid"
 
 #: The application_name of holder()'s own short session: not a lock session's.
 INSPECT_APPLICATION_NAME = "pglock-celery-inspect"
-
-# A database of a running server: its start (microseconds) tells servers apart,
-# the oid databases; pg_stat_activity and pg_locks are not read.
-DATABASE_IDENTITY = """
-SELECT pg_postmaster_start_time()::text, oid::int8, datname
-FROM pg_database WHERE datname = current_database()
-"""
 
 
 @dataclass(frozen=True)
@@ -171,17 +137,17 @@ def holder_from_row(row: tuple[Any, ...], prefix: str | None = None) -> Holder:
 
 def find_holder(conn: psycopg.Connection, key: int) -> Holder | None:
     """Return who holds the advisory lock ``key`` in this database, or None."""
-    row = conn.execute(HOLDER_OF_KEY, key_to_lock_fields(key)).fetchone()
+    row = conn.execute(sql.HOLDER_OF_KEY, key_to_lock_fields(key)).fetchone()
     return holder_from_row(row) if row is not None else None
 
 
 def named_holder_params(name: str) -> tuple[bytes, bytes]:
-    """The parameters of NAMED_HOLDER for the lock called ``name``."""
+    """The parameters of sql.NAMED_HOLDER for the lock called ``name``."""
     return encode_name(name).encode(), str(APPLICATION_NAME_MAX_BYTES - 4).encode()
 
 
 def named_holder(key: int, name: str, row: list[bytes | None]) -> Holder:
-    """Build the Holder of ``name`` from a row of NAMED_HOLDER (text values)."""
+    """Build the Holder of ``name`` from a row of sql.NAMED_HOLDER (text values)."""
 
     def text(value: bytes | None) -> str | None:
         return value.decode() if value is not None else None
@@ -246,7 +212,7 @@ def database_identity(config: PglockConfig) -> tuple[str, int, str] | None:
     """
     try:
         with _plain_session(config) as conn:
-            row = conn.execute(DATABASE_IDENTITY).fetchone()
+            row = conn.execute(sql.DATABASE_IDENTITY).fetchone()
     except (psycopg.Error, PglockError):
         return None
     return (str(row[0]), int(row[1]), str(row[2])) if row is not None else None
@@ -265,7 +231,7 @@ def _plain_session(config: PglockConfig) -> psycopg.Connection[Any]:
 
 def list_holders(conn: psycopg.Connection) -> list[Holder]:
     """Return every bigint advisory lock held in this database."""
-    return [holder_from_row(row) for row in conn.execute(ALL_HELD).fetchall()]
+    return [holder_from_row(row) for row in conn.execute(sql.ALL_HELD).fetchall()]
 
 
 def holder_on(session: LockSession, key: int, label: str) -> Holder | None:
@@ -277,10 +243,10 @@ def holder_on(session: LockSession, key: int, label: str) -> Holder | None:
     hand-rolled holder, a shared session) in pg_locks, by key.
     """
     try:
-        result = session.query(*NAMED_HOLDER, named_holder_params(label))
+        result = session.query(*sql.NAMED_HOLDER, named_holder_params(label))
         if not result.ntuples:
             with session.guard:
-                row = session.conn.execute(HOLDER_OF_KEY, key_to_lock_fields(key)).fetchone()
+                row = session.conn.execute(sql.HOLDER_OF_KEY, key_to_lock_fields(key)).fetchone()
             return holder_from_row(row) if row is not None else None
     except psycopg.Error as exc:
         logger.warning(

@@ -108,6 +108,8 @@ from typing import Any
 
 import psycopg
 
+from . import sql
+
 __all__ = [
     "IDENTITY_QUERY",
     "Confirmation",
@@ -119,7 +121,7 @@ __all__ = [
 ]
 
 #: What a lock session runs once to learn its server's identity (see ServerIdentity).
-IDENTITY_QUERY = "SELECT pg_catalog.pg_postmaster_start_time()"
+IDENTITY_QUERY = sql.SERVER_IDENTITY
 
 #: Patroni's defaults for the dynamic configuration keys the window depends on.
 PATRONI_DEFAULTS = {"ttl": 30.0, "loop_wait": 10.0, "retry_timeout": 10.0}

@@ -280,11 +280,10 @@ def _verify_session(
 def apply_settings(conn: psycopg.Connection[Any], config: PglockConfig, token: str) -> None:
     """Set a lock session's settings and token with set_config (behind a session pooler)."""
     settings = {**_server_settings(config), sql.SESSION_TOKEN_SETTING: token}
-    calls = ", ".join("pg_catalog.set_config(%s, %s, false)" for _ in settings)
     params: list[object] = []
     for name, value in settings.items():
         params += [name, str(value)]
-    conn.execute(f"SELECT {calls}".encode(), params)
+    conn.execute(sql.set_session_settings(len(settings)), params)
 
 
 #: How much of what the server sent unasked is looked at (a notice or two, an error).

@@ -121,6 +121,55 @@ RESET_AFTER_TRANSACTION = (
     " SELECT pg_catalog.set_config('pglock.held', '{held}', false)"
 )
 
+# -- who holds what (inspect.py) -------------------------------------------------
+
+# Advisory locks are per database; a bigint key shows as classid/objid with
+# objsubid = 1 (two int4 keys use objsubid = 2 and are not ours). Read by the
+# operator's commands and holder(), and by a skip only when no library holder
+# names its lock: never on a per-lock path.
+_HELD_LOCKS = """
+SELECT l.classid::pg_catalog.int8, l.objid::pg_catalog.int8, a.pid, a.application_name,
+       pg_catalog.host(a.client_addr), a.backend_start, a.state_change, a.state
+FROM pg_catalog.pg_locks l
+JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+  AND l.database = (SELECT oid FROM pg_catalog.pg_database
+                    WHERE datname = pg_catalog.current_database())
+"""
+#: The holder of one key (psycopg placeholders: classid, objid).
+HOLDER_OF_KEY = (
+    _HELD_LOCKS
+    + " AND l.classid = %s::pg_catalog.int8::pg_catalog.oid"
+    + " AND l.objid = %s::pg_catalog.int8::pg_catalog.oid"
+)
+#: Every advisory lock of the database, oldest session first.
+ALL_HELD = _HELD_LOCKS + " ORDER BY a.backend_start, a.pid"
+#: The holder of a name, found by the name a lock session carries last in its
+#: application_name (pg_stat_activity: its size is the number of sessions, never
+#: the number of locks). A name cut at 63 bytes matches by the prefix that survived.
+#: $1 the name as application_name shows it, $2 the length from which it is cut.
+NAMED_HOLDER: Statement = (
+    b"pglock_holder",
+    b"SELECT pid, application_name, pg_catalog.host(client_addr),"
+    b" pg_catalog.to_json(backend_start) #>> '{}',"
+    b" pg_catalog.to_json(state_change) #>> '{}', state FROM ("
+    b" SELECT *, substring(application_name from '^(?:[^|]*[|]){4}(.*)$') AS tail"
+    b" FROM pg_catalog.pg_stat_activity WHERE datname = pg_catalog.current_database()"
+    b" AND pid <> pg_catalog.pg_backend_pid()"
+    b") AS a WHERE tail = $1 OR (pg_catalog.octet_length(application_name) >= $2::int"
+    b" AND tail <> '' AND pg_catalog.starts_with($1, tail)) ORDER BY tail = $1 DESC LIMIT 1",
+)
+#: Which database of which running server this is: its start (microseconds) tells
+#: servers apart, the oid databases.
+DATABASE_IDENTITY = """
+SELECT pg_catalog.pg_postmaster_start_time()::text, oid::pg_catalog.int8, datname
+FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database()
+"""
+#: The server's clock, for the age of what `pglock-celery locks` shows.
+SERVER_NOW = b"SELECT pg_catalog.now()"
+#: The server a lock session is on, for the Patroni fence (patroni.ServerIdentity).
+SERVER_IDENTITY = b"SELECT pg_catalog.pg_postmaster_start_time()"
+
 # -- any lock session ------------------------------------------------------------
 
 #: At the start of a holder's transaction (lock.transaction()): pin every key the
@@ -161,5 +210,16 @@ TERMINATE_SELF: Statement = (
     b"pglock_terminate_self",
     b"SELECT pg_catalog.pg_terminate_backend(pg_catalog.pg_backend_pid())",
 )
+
+
+def set_session_settings(count: int) -> bytes:
+    """Set ``count`` settings for the session (psycopg placeholders: name, value, ...).
+
+    Behind a session-mode pooler, which drops startup options.
+    """
+    calls = ", ".join("pg_catalog.set_config(%s, %s, false)" for _ in range(count))
+    return f"SELECT {calls}".encode()
+
+
 #: The backend a new session landed on, and whether its startup options are in force.
 VERIFY_SESSION = b"SELECT pg_catalog.pg_backend_pid(), pg_catalog.current_setting(%s, true)"
