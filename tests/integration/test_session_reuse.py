@@ -92,6 +92,7 @@ def test_a_lost_lock_is_reported_and_its_session_is_not_kept(pg_dsn: str, run_id
 
 
 def test_a_session_discarded_is_forgotten(pg_dsn: str, run_id: str) -> None:
+    """A closed session leaves its source's bookkeeping (a test of sources/dedicated.py's state)."""
     with lock(pg_dsn, f"a:{run_id}", strategy="connect") as held:
         session = held._hold.session
         source = registry.source(held.config)
