@@ -49,14 +49,18 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# The default strategy (reuse) runs everything; the lock, worker and fault tests run
-# again with a session per lock (connect), and the worker and fault tests with shared
-# sessions. Left out there, as they test what shared sessions do differently (each has
-# its shared counterpart in test_shared.py or is a documented difference): test_lock.py
-# and the Redis restart (lock.connection, which shared sessions do not give), the
-# waiter seen queued in pg_locks (a shared wait polls), the no-free-slot test (shared
-# sessions stay open for the process's next locks), the redelivered copy's holder report
-# (a shared session names no lock).
+# The default strategy (reuse) runs everything (tests/README.md maps each file to the
+# guarantee it proves); the lock, worker and fault tests run again with a session per
+# lock (connect), and the worker and fault tests with shared sessions. The files that
+# test one strategy's sessions or every strategy at once need no re-run:
+# test_session_reuse.py (reuse), test_shared_sessions.py (shared), test_release.py and
+# test_holders_isolated.py (parametrised over all three). Left out under shared, as they
+# test what shared sessions do differently (each has its shared counterpart in
+# test_shared_sessions.py or is a documented difference): test_lock.py and the Redis
+# restart (lock.connection, which shared sessions do not give), the waiter seen queued in
+# pg_locks (a shared wait polls), the no-free-slot test (shared sessions stay open for the
+# process's next locks), the redelivered copy's holder report (a shared session names no
+# lock).
 NOT_UNDER_SHARED := not redis_restart and not second_call_wait and not no_free_connection_slot and not redelivered_copy_skips
 test: lint matrix
 	$(PY) -m pytest tests

@@ -1,35 +1,26 @@
 """Service fixtures shared by every test suite: Postgres and Redis, found or started.
 
 The run works in a Postgres database and a Redis database of its own on whatever
-servers it found (see tests/helpers/services.py), so two runs on one machine, a
+servers it found (see tests/support/services.py), so two runs on one machine, a
 `make run` or a bench never see each other's locks, sessions, queues or keys.
 """
 
 from __future__ import annotations
 
-import os
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import netns
-from tests.helpers.services import (
+from tests.support import netns
+from tests.support.ci import IN_CI
+from tests.support.services import (
     own_database,
     own_redis_database,
     postgres_for_tests,
     redis_for_tests,
 )
-
-
-def in_ci(environ: Mapping[str, str]) -> bool:
-    """Whether ``environ`` says this is a CI run: CI=true, 1 or yes (any case)."""
-    return environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
-
-
-#: In CI a capability the machine lacks must fail the run, never skip.
-IN_CI = in_ci(os.environ)
 
 
 @pytest.fixture(scope="session")

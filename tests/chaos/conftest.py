@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from tests.helpers.history import create_history, drop_history
-from tests.helpers.leftovers import leftovers
-from tests.helpers.services import EmbeddedPostgres, EmbeddedRedis, wait_until
-from tests.helpers.workers import Worker
+from tests.support.history import create_history, drop_history
+from tests.support.leftovers import leftovers
+from tests.support.services import EmbeddedPostgres, EmbeddedRedis, wait_until
+from tests.support.workers import Worker
 
 #: Chaos workers check their lock sessions often, to keep the tests short.
 CHECK_INTERVAL = 0.5

@@ -31,9 +31,9 @@ import psycopg
 
 from tasks import fleet
 from tasks.report import Summary
-from tests.helpers import netns
-from tests.helpers.orchestra import Orchestra
-from tests.helpers.services import EmbeddedPostgres, EmbeddedRedis
+from tests.support import netns
+from tests.support.orchestra import Orchestra
+from tests.support.services import EmbeddedPostgres, EmbeddedRedis
 
 FAULTS = ("kill", "pause", "terminate", "restart-postgres", "restart-redis", "partition")
 

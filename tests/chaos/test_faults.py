@@ -22,13 +22,15 @@ from celery.result import AsyncResult
 
 from pglock_celery import LockLost, PglockError, lock_key, try_lock
 from pglock_celery.inspect import find_holder
-from pglock_celery.task import LOCK_LOST_EXIT_STATUS
 from tests.chaos.conftest import CHECK_INTERVAL, Chaos
-from tests.helpers.history import Run, counters, overlaps, read_history
-from tests.helpers.orchestra import Orchestra
-from tests.helpers.services import EmbeddedRedis, wait_until
+from tests.support.history import Run, counters, overlaps, read_history
+from tests.support.locks import terminate
+from tests.support.orchestra import Orchestra
+from tests.support.services import EmbeddedRedis, wait_until
 
 UTC = dt.timezone.utc
+#: The status pglock_on_lost = "terminate" ends a worker process with (README, Settings).
+LOCK_LOST_EXIT_STATUS = 70
 
 
 def started(dsn: str, table: str, name: str, count: int = 1) -> list[Run]:
@@ -155,8 +157,7 @@ def test_a_terminated_lock_session_is_noticed_and_its_writes_fail(
     tenant = f"{run_id}-terminated"
     step = chaos.send("chaos_step", tenant, history, 10)
     run = started(chaos.dsn, history, f"tenant:{tenant}")[0]
-    with psycopg.connect(chaos.dsn, autocommit=True) as conn:
-        conn.execute("SELECT pg_terminate_backend(%s)", (run.session_pid,))
+    assert terminate(chaos.dsn, run.session_pid)
     terminated_at = time.monotonic()
     with pytest.raises(LockLost, match="was lost"):
         step.get(timeout=30)
@@ -172,13 +173,12 @@ def test_a_terminated_lock_session_is_noticed_and_its_writes_fail(
 def test_on_lost_terminate_ends_the_process_with_70_and_the_message_runs_again(
     chaos: Chaos, history: str, run_id: str
 ) -> None:
-    """9: the process exits with status 70; acks_late puts the message back, and it reruns."""
+    """The process exits with status 70; acks_late puts the message back, and it reruns."""
     worker = chaos.worker(concurrency=1, PGLOCK_ON_LOST="terminate")
     tenant = f"{run_id}-ended"
     step = chaos.send("chaos_step", tenant, history, 3)
     run = started(chaos.dsn, history, f"tenant:{tenant}")[0]
-    with psycopg.connect(chaos.dsn, autocommit=True) as conn:
-        conn.execute("SELECT pg_terminate_backend(%s)", (run.session_pid,))
+    assert terminate(chaos.dsn, run.session_pid)
     ended = {run.session_pid: server_now(chaos.dsn)}
     terminated_at = time.monotonic()
     wait_until(lambda: _zombie(run.worker_pid), CHECK_INTERVAL + 2, "the worker process to end")
@@ -254,7 +254,7 @@ def redeliver_while_running(chaos: Chaos, history: str, tenant: str) -> AsyncRes
 def test_a_redelivered_copy_skips_while_the_first_still_runs(
     chaos: Chaos, history: str, run_id: str
 ) -> None:
-    """8: the caller gets the copy's skip, which names the caller's own task as the holder."""
+    """The caller gets the copy's skip, which names the caller's own task as the holder."""
     tenant = f"{run_id}-redelivered"
     step = redeliver_while_running(chaos, history, tenant)
     seen = step.get(timeout=30)

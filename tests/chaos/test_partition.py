@@ -17,10 +17,11 @@ import pytest
 from pglock_celery import lock_key
 from pglock_celery.config import PglockConfig
 from tests.chaos.conftest import Chaos
-from tests.helpers import netns
-from tests.helpers.history import create_history, read_history
-from tests.helpers.services import EmbeddedPostgres, wait_until
-from tests.helpers.workers import ROOT
+from tests.support import netns
+from tests.support.history import create_history, read_history
+from tests.support.locks import free_elsewhere
+from tests.support.services import EmbeddedPostgres, wait_until
+from tests.support.workers import ROOT
 
 HAND_ROLLED = """
 import sys, psycopg
@@ -67,14 +68,6 @@ def partition_pg(guest: netns.Guest, tmp_path: Path) -> Iterator[EmbeddedPostgre
     server.destroy()
 
 
-def key_is_free(dsn: str, key: int) -> bool:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()
-        if row and row[0]:
-            conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
-        return bool(row and row[0])
-
-
 @pytest.mark.parametrize("mode", ["idle", "statement"])
 def test_cut_off_holder_learns_first_and_the_server_frees_within_the_bound(
     guest: netns.Guest,
@@ -89,7 +82,7 @@ def test_cut_off_holder_learns_first_and_the_server_frees_within_the_bound(
     remote = f"host={netns.HOST_IP} port={partition_pg.port} user=postgres dbname=postgres"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     holder = subprocess.Popen(
-        guest.command([sys.executable, "-m", "tests.chaos.holder", remote, name, mode]),
+        guest.command([sys.executable, "-m", "tests.support.holder", remote, name, mode]),
         cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     contrast = subprocess.Popen(
@@ -106,14 +99,14 @@ def test_cut_off_holder_learns_first_and_the_server_frees_within_the_bound(
         guest.cut()
         learned_at, line = holder_lines.expect("lost", config.server_bound + 10)
         wait_until(
-            lambda: key_is_free(partition_pg.dsn, lock_key(name)),
+            lambda: free_elsewhere(partition_pg.dsn, lock_key(name)),
             config.server_bound + 10,
             "the server to free the cut-off holder's lock",
             0.1,
         )
         freed_at = time.monotonic()
         client, server = learned_at - cut_at, freed_at - cut_at
-        contrast_held = not key_is_free(partition_pg.dsn, contrast_key)
+        contrast_held = not free_elsewhere(partition_pg.dsn, contrast_key)
         print(
             f"\npartition ({mode}): holder learned of the loss after {client:.1f} s"
             f" ({line.split()[-1]}), server freed the lock after {server:.1f} s"

@@ -12,7 +12,7 @@ from pathlib import Path
 import redis
 
 from pglock_celery import try_lock
-from tests.helpers.services import wait_until
+from tests.support.services import wait_until
 
 
 def test_a_fixed_lock_name_and_redis_key_are_this_runs_alone(pg_dsn: str, broker_url: str) -> None:

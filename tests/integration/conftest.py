@@ -13,10 +13,10 @@ from celery import Celery
 
 from pglock_celery.sources import registry
 from tests.apps.core import app as core_app
-from tests.helpers.history import create_history, drop_history
-from tests.helpers.leftovers import leftovers
-from tests.helpers.services import wait_until
-from tests.helpers.workers import Worker
+from tests.support.history import create_history, drop_history
+from tests.support.leftovers import leftovers
+from tests.support.services import wait_until
+from tests.support.workers import Worker
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,22 +11,13 @@ import pytest
 
 from pglock_celery import lock_key, try_lock
 from tests.apps import core
-from tests.helpers.history import Run, read_history
-from tests.helpers.pgbouncer import pgbouncer
-from tests.helpers.services import EmbeddedPostgres, wait_until
-from tests.helpers.workers import Worker
+from tests.support.cli import cli
+from tests.support.history import Run, read_history
+from tests.support.pgbouncer import pgbouncer
+from tests.support.services import EmbeddedPostgres, wait_until
+from tests.support.workers import Worker
 
 PASSWORD = "cli-s3cret"
-
-
-def cli(*args: str, dsn: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "PGLOCK_DSN"}
-    if dsn is not None:
-        env["PGLOCK_DSN"] = dsn
-    return subprocess.run(
-        [sys.executable, "-m", "pglock_celery.cli", *args],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
 
 
 def test_key_prints_the_seed_compatible_key() -> None:

@@ -1,4 +1,4 @@
-"""10: two `make test` runs on one machine's servers at once both pass."""
+"""Two `make test` runs on one machine's servers at once both pass."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.helpers.workers import ROOT
+from tests.support.workers import ROOT
 
 
 def test_two_runs_on_the_same_servers_at_once_both_pass(

@@ -16,7 +16,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from pglock_celery import ConfigurationError, try_lock
 from pglock_celery.django import dsn
-from tests.helpers.services import EmbeddedPostgres
+from tests.support.services import EmbeddedPostgres
 
 #: Every character libpq's quoting cares about: spaces, quotes, backslashes, '='.
 AWKWARD_PASSWORD = "p w'd\\x=\"y\\' ='\\\\ end"

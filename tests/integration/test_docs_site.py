@@ -29,7 +29,7 @@ import pytest
 import pglock_celery
 from pglock_celery import lock_key, try_lock
 from tests.conftest import IN_CI
-from tests.helpers.services import wait_until
+from tests.support.services import wait_until
 from tests.unit.test_readme import recipe
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ import pytest
 from pglock_celery import try_lock
 from pglock_celery.doctor import Finding, run_checks
 from pglock_celery.sources import registry
-from tests.helpers.services import EmbeddedPostgres
-from tests.integration.test_cli import cli
+from tests.support.cli import cli
+from tests.support.services import EmbeddedPostgres
 
 #: The small server's lock table: 10 x (20 + 0) = 200 entries.
 SMALL_CAPACITY = 200

@@ -17,8 +17,8 @@ import pytest
 
 from pglock_celery import lock_key
 from pglock_celery.doctor import Finding, run_checks
-from tests.helpers.pgbouncer import pgbouncer
 from tests.integration.test_cli import cli
+from tests.support.pgbouncer import pgbouncer
 
 
 def reset_finding(findings: list[Finding]) -> Finding:

@@ -13,8 +13,8 @@ import psycopg
 import pytest
 
 from pglock_celery.doctor import Finding, run_checks
-from tests.helpers.services import EmbeddedPostgres, wait_until
 from tests.integration.test_cli import cli
+from tests.support.services import EmbeddedPostgres, wait_until
 
 
 def replication(dsn: str) -> Finding:

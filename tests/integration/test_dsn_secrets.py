@@ -21,8 +21,8 @@ from psycopg.conninfo import make_conninfo
 
 from pglock_celery import ConfigurationError, LockUnavailable, PglockError, try_lock
 from tests.apps import core
-from tests.helpers.services import EmbeddedPostgres
-from tests.helpers.workers import Worker
+from tests.support.services import EmbeddedPostgres
+from tests.support.workers import Worker
 
 #: The server's real password; every DSN below carries a wrong one.
 SERVER_PASSWORD = "right-Pa55"

@@ -7,7 +7,7 @@ from pathlib import Path
 import redis
 
 from pglock_celery import try_lock
-from tests.helpers.services import EmbeddedPostgres, EmbeddedRedis
+from tests.support.services import EmbeddedPostgres, EmbeddedRedis
 
 
 def test_embedded_postgres_and_redis_start_serve_and_stop(tmp_path: Path) -> None:

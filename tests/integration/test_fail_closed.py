@@ -18,9 +18,9 @@ from celery import Celery
 from pglock_celery import LockUnavailable, TenantLockedTask
 from pglock_celery.sources import registry
 from tests.apps import core
-from tests.helpers import netns
-from tests.helpers.services import EmbeddedPostgres, wait_until
-from tests.helpers.workers import ROOT, Worker
+from tests.support import netns
+from tests.support.services import EmbeddedPostgres, wait_until
+from tests.support.workers import ROOT, Worker
 
 PASSWORD = "s3cret-pw"
 UNREACHABLE = f"postgresql://app:{PASSWORD}@127.0.0.1:1/test"
@@ -185,9 +185,9 @@ def guest_pg(guest: netns.Guest, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def attempt_from(guest: netns.Guest, dsn: str, tenant: str) -> dict[str, Any]:
-    """One task call made inside the guest namespace (see tests/helpers/attempt.py)."""
+    """One task call made inside the guest namespace (see tests/support/attempt.py)."""
     done = subprocess.run(
-        guest.command([sys.executable, "-m", "tests.helpers.attempt", dsn, tenant]),
+        guest.command([sys.executable, "-m", "tests.support.attempt", dsn, tenant]),
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "PGLOCK_CONNECT_TIMEOUT": "2"},
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

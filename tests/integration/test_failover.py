@@ -11,7 +11,7 @@ import pytest
 from pglock_celery import LockLost, LockUnavailable, try_lock
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
-from tests.helpers.services import EmbeddedPostgres, wait_until
+from tests.support.services import EmbeddedPostgres, wait_until
 
 
 def in_recovery(server: EmbeddedPostgres) -> bool:

@@ -14,16 +14,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 from celery import Celery
 
 from pglock_celery import LockLost, try_lock
 from tests.apps import core
-from tests.conftest import IN_CI
-from tests.helpers.history import read_history
-from tests.helpers.services import free_port, wait_until
-from tests.helpers.workers import ROOT, Worker
+from tests.support.ci import IN_CI
+from tests.support.history import read_history
+from tests.support.locks import terminate
+from tests.support.services import free_port, wait_until
+from tests.support.workers import ROOT, Worker
 
 SUFFIX = "-flower"
 
@@ -119,8 +119,7 @@ def test_flower_shows_a_lost_lock_as_a_failure_naming_it(
     tenant = f"{run_id}-lost"
     step = core.chaos_step.apply_async((tenant, history, 30), queue=queue + SUFFIX)
     run = wait_until(lambda: read_history(pg_dsn, history), 30, "the step to start")[0]
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute("SELECT pg_terminate_backend(%s)", (run.session_pid,))
+    assert terminate(pg_dsn, run.session_pid)
     with pytest.raises(LockLost):
         step.get(timeout=30)
 
@@ -181,8 +180,7 @@ def test_flowers_tasks_page_in_chromium_shows_the_skip_and_the_lost_lock(
         assert skipped.get(timeout=30)["skipped"] is True
     failed = core.chaos_step.apply_async((lost, history, 30), queue=queue + SUFFIX)
     run = wait_until(lambda: read_history(pg_dsn, history), 30, "the step to start")[0]
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute("SELECT pg_terminate_backend(%s)", (run.session_pid,))
+    assert terminate(pg_dsn, run.session_pid)
     with pytest.raises(LockLost):
         failed.get(timeout=30)
 

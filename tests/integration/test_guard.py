@@ -31,8 +31,8 @@ from pglock_celery import (
 )
 from pglock_celery.guard import GUARD_SQLSTATE, guarded_tables
 from tests.apps import guarded
-from tests.helpers.services import wait_until
-from tests.helpers.workers import Worker
+from tests.support.services import wait_until
+from tests.support.workers import Worker
 from tests.unit.test_keys import GOLDEN
 
 TEMPLATE = "guard:{tenant_id}"

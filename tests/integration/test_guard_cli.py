@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from pglock_celery.doctor import run_checks
-from tests.integration.test_cli import cli
+from tests.support.cli import cli
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import pytest
 from celery import Celery
 
 from pglock_celery import LockUnavailable, PglockError, holder, lock_key, try_lock
-from tests.helpers.probes import lock
-from tests.helpers.services import wait_until
+from tests.support.locks import lock
+from tests.support.services import wait_until
 
 
 @pytest.fixture

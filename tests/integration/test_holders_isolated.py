@@ -17,8 +17,8 @@ import pytest
 
 from pglock_celery import LockUnavailable, install_guard, remove_guard
 from pglock_celery.sources import registry
-from tests.helpers.probes import STRATEGIES, free_elsewhere, lock
-from tests.helpers.services import EmbeddedPostgres
+from tests.support.locks import STRATEGIES, free_elsewhere, lock
+from tests.support.services import EmbeddedPostgres
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +79,7 @@ import json, sys, time
 import gevent, psycopg
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
-from tests.helpers.probes import free_elsewhere
+from tests.support.locks import free_elsewhere
 
 dsn, run_id = sys.argv[1], sys.argv[2]
 config = PglockConfig(dsn=dsn, strategy="shared", shared_sessions=1, check_interval=0.2)

@@ -21,8 +21,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from pglock_celery import LockLost, LockTimeout, LockUnavailable, lock_key
 from pglock_celery.sources import registry
-from tests.helpers.probes import STRATEGIES, free_elsewhere, lock
-from tests.helpers.services import EmbeddedPostgres, wait_until
+from tests.support.locks import STRATEGIES, free_elsewhere, lock
+from tests.support.services import EmbeddedPostgres, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -232,7 +232,7 @@ MONITOR_SURVIVES_A_FAILED_THREAD_START = """
 import json, logging, resource, sys, threading, time
 import psycopg
 from pglock_celery.sources import registry
-from tests.helpers.probes import lock
+from tests.support.locks import lock
 
 logging.basicConfig(level=logging.CRITICAL)
 dsn, run_id = sys.argv[1], sys.argv[2]
@@ -311,7 +311,7 @@ MEMORY_AFTER_LONG_NAMES = """
 import json, sys
 import psutil
 from pglock_celery.sources import registry
-from tests.helpers.probes import lock
+from tests.support.locks import lock
 
 dsn, run_id = sys.argv[1], sys.argv[2]
 with lock(dsn, f"warm:{run_id}"):

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import uuid
 
 import psycopg
 import pytest
 
 from pglock_celery import LockLost, LockTimeout, LockUnavailable, lock_key, try_lock, wait_lock
-from tests.helpers.services import wait_until
-
-
-def terminate(dsn: str, backend_pid: int) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("SELECT pg_terminate_backend(%s)", (backend_pid,))
+from pglock_celery.inspect import find_holder, list_holders
+from tests.support.locks import terminate
+from tests.support.services import wait_until
 
 
 def test_second_try_lock_on_a_held_name_is_refused(pg_dsn: str, run_id: str) -> None:
@@ -74,7 +73,7 @@ def test_held_is_false_and_ensure_held_raises_after_the_session_is_killed(
     with pytest.raises(LockLost, match="was lost"):
         with lock:
             assert lock.held()
-            terminate(pg_dsn, lock.connection.info.backend_pid)
+            assert terminate(pg_dsn, lock.connection.info.backend_pid)
             assert not lock.held()
             with pytest.raises(LockLost, match=f"t:{run_id}"):
                 lock.ensure_held()
@@ -83,7 +82,7 @@ def test_held_is_false_and_ensure_held_raises_after_the_session_is_killed(
 def test_body_exception_wins_over_a_lost_lock_at_release(pg_dsn: str, run_id: str) -> None:
     with pytest.raises(ZeroDivisionError):
         with try_lock(f"t:{run_id}", dsn=pg_dsn) as lock:
-            terminate(pg_dsn, lock.connection.info.backend_pid)
+            assert terminate(pg_dsn, lock.connection.info.backend_pid)
             1 / 0  # noqa: B018
 
 
@@ -93,7 +92,7 @@ def test_a_write_through_a_lost_lock_fails(pg_dsn: str, run_id: str) -> None:
     try:
         with pytest.raises(LockLost):
             with try_lock(f"t:{run_id}", dsn=pg_dsn) as lock:
-                terminate(pg_dsn, lock.connection.info.backend_pid)
+                assert terminate(pg_dsn, lock.connection.info.backend_pid)
                 with pytest.raises(psycopg.OperationalError):
                     with lock.connection.transaction():
                         lock.connection.execute(f"INSERT INTO fenced_{run_id} VALUES (1)")
@@ -166,3 +165,22 @@ def test_unreachable_dsn_names_host_and_port_but_never_the_password(run_id: str)
     message = str(raised.value)
     assert "127.0.0.1:1" in message
     assert "s3cret-pw" not in message
+
+
+@pytest.mark.parametrize(
+    "name", ["租户:é", "line\nbreak", "tenant:" + str(uuid.uuid4()), "=odd", "租户" * 30]
+)
+def test_the_holder_of_any_name_is_reported_whole(pg_dsn: str, name: str) -> None:
+    name = f"{name}:{uuid.uuid4().hex[:6]}"
+    with try_lock(name, dsn=pg_dsn) as held, try_lock(name, dsn=pg_dsn) as skipped:
+        assert held.acquired and not skipped.acquired
+        holder = skipped.holder()
+        assert holder is not None
+        assert (holder.name, holder.worker_pid) == (name, os.getpid())
+        assert holder.worker_host and holder.backend_pid == held.connection.info.backend_pid
+        with psycopg.connect(pg_dsn, autocommit=True) as other:
+            listed = [h for h in list_holders(other) if h.key == held.key]
+            seen = find_holder(other, held.key)
+        assert len(listed) == 1 and seen is not None and seen.worker_pid == os.getpid()
+        if len(name.encode()) < 20:  # short enough to fit whole: listed by name too
+            assert listed[0].name == name

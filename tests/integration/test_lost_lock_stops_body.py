@@ -21,8 +21,8 @@ from celery import Celery
 from pglock_celery import LockLost
 from pglock_celery.monitor import Body, Monitor
 from tests.apps import core
-from tests.helpers.services import wait_until
-from tests.helpers.workers import Worker
+from tests.support.services import wait_until
+from tests.support.workers import Worker
 
 #: The worker's check interval: a loss is found within about 1.25 of it.
 CHECK_INTERVAL = 0.5

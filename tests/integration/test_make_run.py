@@ -23,8 +23,8 @@ from tasks import fleet
 from tasks.celery_app import app as tasks_app
 from tasks.pipeline import skip_keys
 from tasks.run import OWNER_MARK, REDIS_MARK_KEY, Fleet, FlowerSite, wait_until_up
-from tests.helpers.rabbitmq import delete_queues, rabbitmq_for_tests
-from tests.helpers.services import free_port
+from tests.support.rabbitmq import delete_queues, rabbitmq_for_tests
+from tests.support.services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

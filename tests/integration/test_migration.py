@@ -13,9 +13,10 @@ from pglock_celery import TenantLockedTask, lock_key, try_lock
 from pglock_celery.doctor import run_checks
 from tasks.services import postgres_bindir
 from tests.apps import core
-from tests.helpers.history import read_history
-from tests.helpers.services import EmbeddedPostgres, wait_until
-from tests.helpers.workers import Worker
+from tests.support.history import read_history
+from tests.support.locks import free_elsewhere
+from tests.support.services import EmbeddedPostgres, wait_until
+from tests.support.workers import Worker
 from tests.unit.test_migration_recipes import recipe
 
 
@@ -53,11 +54,9 @@ def test_a_hung_holder_is_freed_by_its_hard_time_limit_not_a_ttl(
     with try_lock(name, dsn=pg_dsn) as early:
         assert not early.acquired, "the lock must be held while the step runs"
 
-    def free() -> bool:
-        with try_lock(name, dsn=pg_dsn) as lock:
-            return lock.acquired
-
-    wait_until(free, 10, "the hard time limit to free the lock", 0.1)
+    wait_until(
+        lambda: free_elsewhere(pg_dsn, name), 10, "the hard time limit to free the lock", 0.1
+    )
     freed = time.monotonic() - started
     print(f"\nhung holder's lock freed {freed:.2f} s after it was seen holding it")
     assert freed < 5

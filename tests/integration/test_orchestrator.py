@@ -12,8 +12,8 @@ from pglock_celery.inspect import list_holders
 from tasks.celery_app import app as tasks_app
 from tasks.pipeline import advance_pipeline
 from tasks.tenants import TenantError, onboard_tenant, seed_tenants
-from tests.helpers.orchestra import Orchestra
-from tests.helpers.services import wait_until
+from tests.support.orchestra import Orchestra
+from tests.support.services import wait_until
 
 Factory = Callable[..., Orchestra]
 

@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from tests.helpers.rabbitmq import delete_queues, rabbitmq_for_tests
-from tests.helpers.workers import Worker
 from tests.integration.test_workers import (
     test_retry_mode_retries_while_held_and_runs_once_free,
     test_sigkill_of_the_holding_child_frees_the_lock_within_100_ms,
@@ -23,6 +21,8 @@ from tests.integration.test_workers import (
     test_wait_mode_makes_the_second_call_wait_then_run,
     test_wait_mode_raises_lock_timeout_after_lock_timeout,
 )
+from tests.support.rabbitmq import delete_queues, rabbitmq_for_tests
+from tests.support.workers import Worker
 
 __all__ = [
     "test_retry_mode_retries_while_held_and_runs_once_free",

@@ -32,7 +32,8 @@ from pglock_celery import LockLost, lock_key
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
 from pglock_celery.sources import registry
-from tests.helpers.services import wait_until
+from tests.support.locks import free_elsewhere
+from tests.support.services import wait_until
 
 NAMES = ("a", "b", "c")
 CHECK_INTERVAL = 0.05
@@ -175,7 +176,9 @@ class LockSessionLives(RuleBasedStateMachine):
 
     @rule()
     def kill_the_idle_sessions(self) -> None:
-        pids = [s.backend_pid for source in registry.sources() for s in source._idle]
+        pids = [
+            s.backend_pid for source in registry.sources() for s in getattr(source, "_idle", [])
+        ]
         for pid in pids:
             self.admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
 
@@ -188,12 +191,7 @@ class LockSessionLives(RuleBasedStateMachine):
         assert status == 0
 
     def _free(self, name: str) -> bool:
-        row = self.admin.execute(
-            "SELECT pg_try_advisory_lock(%s)", (lock_key(self._name(name)),)
-        ).fetchone()
-        if row and row[0]:
-            self.admin.execute("SELECT pg_advisory_unlock_all()")
-        return bool(row and row[0])
+        return free_elsewhere(self.admin, self._name(name))
 
     @invariant()
     def no_name_is_held_twice(self) -> None:
@@ -227,7 +225,9 @@ class LockSessionLives(RuleBasedStateMachine):
 
     @invariant()
     def idle_sessions_hold_nothing(self) -> None:
-        pids = [s.backend_pid for source in registry.sources() for s in source._idle]
+        pids = [
+            s.backend_pid for source in registry.sources() for s in getattr(source, "_idle", [])
+        ]
         if pids:
             row = self.admin.execute(
                 "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = ANY(%s)",

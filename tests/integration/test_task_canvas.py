@@ -16,7 +16,7 @@ from celery import Celery, chain, chord
 
 from pglock_celery import lock_key
 from tests.apps import core
-from tests.helpers.workers import Worker
+from tests.support.workers import Worker
 
 
 @pytest.fixture(params=["reuse", "connect", "shared"])

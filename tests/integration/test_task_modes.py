@@ -1,4 +1,4 @@
-"""TenantLockedTask's modes and skip results, and wait locks on reused sessions, on real Postgres.
+"""TenantLockedTask's modes, skips, retries, nested calls and logs, on a real Postgres.
 
 Calls run eagerly (``apply``) in this process: the lock, its session and the
 server are real; only the broker is left out.
@@ -34,7 +34,8 @@ from pglock_celery.inspect import find_holder
 from pglock_celery.keys import key_to_lock_fields
 from pglock_celery.lock import AdvisoryLock
 from pglock_celery.sources import registry
-from tests.helpers.services import own_database
+from tests.support.locks import free_elsewhere, held_elsewhere, terminate
+from tests.support.services import own_database, scalar
 
 
 @pytest.fixture(autouse=True)
@@ -51,20 +52,7 @@ def eager_app(pg_dsn: str) -> Celery:
     return app
 
 
-def admin(dsn: str, query: str, params: tuple[Any, ...] = ()) -> Any:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(query, params).fetchone()
-    return row[0] if row else None
-
-
-def held_elsewhere(dsn: str, name: str) -> psycopg.Connection[Any]:
-    """A plain session holding ``name``'s lock: another worker, for the call under test."""
-    conn = psycopg.connect(dsn, autocommit=True)
-    conn.execute("SELECT pg_advisory_lock(%s)", (lock_key(name),))
-    return conn
-
-
-# 4: a failed statement on a lost session ---------------------------------------------------
+# A failed statement on a lost session ------------------------------------------------------
 
 
 def test_a_statement_that_fails_on_a_lost_session_fails_the_call_with_lock_lost(
@@ -74,7 +62,7 @@ def test_a_statement_that_fails_on_a_lost_session_fails_the_call_with_lock_lost(
     def step(tenant: str) -> None:
         lock = current_lock()
         assert lock is not None
-        admin(pg_dsn, "SELECT pg_terminate_backend(%s)", (lock.connection.info.backend_pid,))
+        assert terminate(pg_dsn, lock.connection.info.backend_pid)
         lock.connection.execute("SELECT 1")  # before any check could have seen the loss
 
     result = step.apply((run_id,))
@@ -87,7 +75,7 @@ def test_a_statement_that_fails_on_a_lost_session_fails_the_call_with_lock_lost(
     assert "terminating connection" in str(result.result.__cause__)
 
 
-# 5: retry mode running out of retries ------------------------------------------------------
+# Retry mode running out of retries ---------------------------------------------------------
 
 
 def test_retry_mode_fails_with_lock_timeout_once_its_retries_run_out(
@@ -114,7 +102,7 @@ def test_retry_mode_fails_with_lock_timeout_once_its_retries_run_out(
     assert ran == []
 
 
-# 8: what a skipping caller gets -------------------------------------------------------------
+# What a skipping caller gets ----------------------------------------------------------------
 
 
 def test_an_overridden_on_lock_skipped_gives_the_skip_result(
@@ -160,92 +148,7 @@ def test_without_report_holder_a_skip_names_no_holder(
         assert result.result["holder"]["backend_pid"] == held.connection.info.backend_pid
 
 
-# 7: wait mode on reused sessions, and the idle bound ---------------------------------------
-
-
-def reuse_lock(dsn: str, name: str, **options: Any) -> AdvisoryLock:
-    config = PglockConfig(dsn=dsn, strategy="reuse", idle_sessions=options.pop("idle", 2))
-    return AdvisoryLock(name, config=config, **options)
-
-
-def application_name_of(dsn: str, backend: int) -> str:
-    """The application_name the server shows for ``backend``."""
-    name = admin(dsn, "SELECT application_name FROM pg_stat_activity WHERE pid = %s", (backend,))
-    assert name is not None, f"backend {backend} is gone"
-    return str(name)
-
-
-def test_a_wait_with_a_timeout_on_a_cached_session_leaves_neither_timeout_nor_name(
-    pg_dsn: str, run_id: str
-) -> None:
-    with reuse_lock(pg_dsn, f"warm:{run_id}") as warm:
-        backend = warm.backend_pid
-    with reuse_lock(pg_dsn, f"w:{run_id}", wait=True, timeout=5) as waited:
-        assert waited.backend_pid == backend  # type: ignore[union-attr]
-        # Named after its holder once granted.
-        assert application_name_of(pg_dsn, backend).endswith(f"|w:{run_id}")
-    assert registry.idle_count() == 1
-    assert application_name_of(pg_dsn, backend) == f"pglock-idle|{os.getpid()}"
-    with reuse_lock(pg_dsn, f"next:{run_id}") as following:
-        conn = following.connection
-        assert conn.info.backend_pid == backend  # the very session, reused again
-        assert conn.execute("SHOW lock_timeout").fetchone() == ("0",)
-        name = conn.execute("SHOW application_name").fetchone()
-        assert name is not None and name[0].endswith(f"|next:{run_id}")
-
-
-def test_a_wait_that_times_out_on_a_cached_session_leaves_no_timeout_behind(
-    pg_dsn: str, run_id: str
-) -> None:
-    with reuse_lock(pg_dsn, f"warm:{run_id}"):
-        pass
-    other = held_elsewhere(pg_dsn, f"w:{run_id}")
-    try:
-        with pytest.raises(LockTimeout), reuse_lock(pg_dsn, f"w:{run_id}", wait=True, timeout=0.2):
-            pytest.fail("the body ran without the lock")
-    finally:
-        other.close()
-    with reuse_lock(pg_dsn, f"next:{run_id}") as following:
-        conn = following.connection
-        assert conn.execute("SHOW lock_timeout").fetchone() == ("0",)
-    with reuse_lock(pg_dsn, f"w:{run_id}", wait=True) as free:
-        assert free.acquired
-
-
-def idle_sessions_on_server(dsn: str) -> int:
-    return int(
-        admin(
-            dsn,
-            "SELECT count(*) FROM pg_stat_activity"
-            " WHERE application_name = %s AND datname = current_database()",
-            (f"pglock-idle|{os.getpid()}",),
-        )
-    )
-
-
-@pytest.mark.parametrize("bound", [0, 2])
-def test_a_process_keeps_at_most_idle_sessions_and_closes_the_others(
-    pg_dsn: str, run_id: str, bound: int
-) -> None:
-    held = [reuse_lock(pg_dsn, f"b{n}:{run_id}", idle=bound) for n in range(4)]
-    for lock in held:
-        assert lock.acquire()
-    for lock in held:
-        lock.release()
-    assert registry.idle_count() == bound
-    assert idle_sessions_on_server(pg_dsn) == bound
-    with reuse_lock(pg_dsn, f"again:{run_id}", idle=bound) as again:
-        assert again.acquired
-    assert registry.idle_count() == bound
-
-
 # A task's own retry, and what is logged --------------------------------------------------
-
-
-def free_elsewhere(dsn: str, name: str) -> bool:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT pg_try_advisory_lock(%s)", (lock_key(name),)).fetchone()
-        return bool(row and row[0])
 
 
 def test_a_tasks_own_retry_releases_its_lock_before_the_retry_is_sent(
@@ -291,7 +194,7 @@ def test_a_retry_after_the_lock_was_lost_logs_the_loss_and_still_retries(
     def step(self: TenantLockedTask, tenant: str) -> None:
         lock = current_lock()
         assert lock is not None
-        admin(pg_dsn, "SELECT pg_terminate_backend(%s)", (lock.connection.info.backend_pid,))
+        assert terminate(pg_dsn, lock.connection.info.backend_pid)
         seen["retry"] = self.retry(countdown=0, throw=False)
         seen["id"] = self.request.id
 
@@ -563,7 +466,7 @@ def key_holders(dsn: str, name: str) -> int:
     """How many sessions hold ``name``'s key in ``dsn``'s database."""
     classid, objid = key_to_lock_fields(lock_key(name))
     return int(
-        admin(
+        scalar(
             dsn,
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
             " AND classid = %s AND objid = %s AND objsubid = 1"
@@ -677,3 +580,74 @@ def test_a_skip_answers_a_frozen_callback_that_will_not_run(
         skipped = step.apply((run_id,), link=callback).result
     assert skipped["skipped"] is True
     assert eager_app.AsyncResult(callback.id).get(timeout=5) == skipped
+
+
+# Nested and inline calls, and the body's own errors -----------------------------------------
+
+
+def test_a_nested_calls_retry_never_releases_its_callers_lock(
+    eager_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    @eager_app.task(
+        base=TenantLockedTask, lock_name="notify:{tenant}", lock_mode="retry", max_retries=1,
+        lock_retry_countdown=0.01, shared=False,
+    )  # fmt: skip
+    def notify(tenant: str) -> str:
+        return "notified"
+
+    @eager_app.task(base=TenantLockedTask, lock_name="pipeline:{tenant}", shared=False)
+    def advance(tenant: str) -> bool:
+        notify.apply((tenant,))  # busy elsewhere: it retries, then gives up
+        outer = current_lock()
+        assert outer is not None
+        return outer.held() and not free_elsewhere(pg_dsn, f"pipeline:{tenant}")
+
+    with psycopg.connect(pg_dsn, autocommit=True) as other:
+        other.execute("SELECT pg_advisory_lock(%s)", (lock_key(f"notify:{run_id}"),))
+        assert advance.apply((run_id,)).get() is True
+
+
+def test_an_inline_call_of_a_same_lock_task_runs_under_the_callers_hold(
+    eager_app: Celery, run_id: str
+) -> None:
+    @eager_app.task(base=TenantLockedTask, lock_name="pipeline:{tenant}", shared=False)
+    def step(tenant: str) -> Any:
+        return "ran"
+
+    @eager_app.task(base=TenantLockedTask, lock_name="pipeline:{tenant}", shared=False)
+    def advance(tenant: str) -> Any:
+        return step(tenant), step.apply((tenant,)).get(), current_lock() is not None
+
+    assert advance.apply((run_id,)).get() == ("ran", "ran", True)
+
+
+def test_other_threads_still_exclude_while_a_body_holds_the_lock(
+    eager_app: Celery, run_id: str
+) -> None:
+    @eager_app.task(base=TenantLockedTask, lock_name="pipeline:{tenant}", shared=False)
+    def step(tenant: str) -> Any:
+        return "ran"
+
+    @eager_app.task(base=TenantLockedTask, lock_name="pipeline:{tenant}", shared=False)
+    def advance(tenant: str) -> Any:
+        seen: list[Any] = []
+        thread = threading.Thread(target=lambda: seen.append(step.apply((tenant,)).get()))
+        thread.start()
+        thread.join(10)
+        return seen[0]
+
+    assert advance.apply((run_id,)).get()["skipped"] is True
+
+
+def test_an_sql_error_in_the_bodys_transaction_is_the_bodys_own(
+    eager_app: Celery, run_id: str
+) -> None:
+    @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
+    def step(tenant: str) -> None:
+        held = current_lock()
+        assert held is not None
+        held.connection.execute("BEGIN")
+        held.connection.execute("SELECT 1/0")
+
+    result = step.apply((run_id,))
+    assert isinstance(result.result, psycopg.errors.DivisionByZero), result.result

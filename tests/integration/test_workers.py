@@ -19,9 +19,10 @@ from celery.exceptions import TaskRevokedError, WorkerLostError
 from pglock_celery import LockTimeout, lock_key, try_lock
 from pglock_celery.keys import key_to_lock_fields
 from tests.apps import core
-from tests.helpers.history import overlaps, read_history
-from tests.helpers.services import wait_until
-from tests.helpers.workers import Worker
+from tests.support.history import overlaps, read_history
+from tests.support.locks import free_elsewhere
+from tests.support.services import wait_until
+from tests.support.workers import Worker
 
 RESULT_TIMEOUT = 60
 #: The strategy the workers (and this process) run under, as the Makefile sets it.
@@ -56,14 +57,6 @@ def test_two_prefork_workers_never_overlap_on_a_tenant(
     assert overlaps(runs) == []
 
 
-def try_key(conn: psycopg.Connection[Any], key: int) -> bool:
-    """Take ``key`` on ``conn`` if it is free, and let it go at once."""
-    row = conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()
-    if row and row[0]:
-        conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
-    return bool(row and row[0])
-
-
 def waiting_sessions(dsn: str, key: int) -> int:
     """Sessions of this database queued in pg_locks for ``key``, not granted."""
     with psycopg.connect(dsn) as conn:
@@ -89,10 +82,10 @@ def test_sigkill_of_the_holding_child_frees_the_lock_within_100_ms(
     call = core.hold.delay(tenant, history, 30)  # a killed run is not redelivered
     run = wait_until(lambda: read_history(pg_dsn, history), 30, "the step to start")[0]
     with psycopg.connect(pg_dsn, autocommit=True) as probe:
-        assert not try_key(probe, key), "the step does not hold its lock: nothing to free"
+        assert not free_elsewhere(probe, key), "the step does not hold its lock: nothing to free"
         os.kill(run.worker_pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        while not try_key(probe, key):
+        while not free_elsewhere(probe, key):
             assert time.monotonic() - killed_at < 5, "the lock outlived its killed holder by 5 s"
         freed_after = time.monotonic() - killed_at
     print(f"\nSIGKILL of pid {run.worker_pid} -> lock free after {freed_after * 1000:.1f} ms")
@@ -177,11 +170,6 @@ def test_a_tasks_own_retry_is_not_blocked_by_its_own_lock(
     assert first_started < retry_started and retry_finished <= first_left
 
 
-def lock_is_free(dsn: str, name: str) -> bool:
-    with try_lock(name, dsn=dsn) as lock:
-        return lock.acquired
-
-
 def lock_sessions_of(dsn: str, name: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
@@ -193,7 +181,7 @@ def lock_sessions_of(dsn: str, name: str) -> int:
 
 def assert_released(dsn: str, name: str) -> None:
     wait_until(lambda: lock_sessions_of(dsn, name) == 0, 5, f"sessions of {name} to close")
-    assert lock_is_free(dsn, name)
+    assert free_elsewhere(dsn, name)
 
 
 def test_lock_is_released_on_success_exception_ignore_retry_and_soft_limit(
@@ -230,10 +218,10 @@ def test_revoke_with_terminate_frees_the_lock_and_the_step_never_runs_again(
     name = f"tenant:{tenant}"
     call = core.step.delay(tenant, history, 30)
     run = wait_until(lambda: read_history(pg_dsn, history), 30, "the step to start")[0]
-    assert not lock_is_free(pg_dsn, name)
+    assert not free_elsewhere(pg_dsn, name)
     call.revoke(terminate=True)
     revoked_at = time.monotonic()
-    wait_until(lambda: lock_is_free(pg_dsn, name), 10, "the revoked step's lock to go")
+    wait_until(lambda: free_elsewhere(pg_dsn, name), 10, "the revoked step's lock to go")
     print(f"\nrevoke(terminate=True): lock free after {time.monotonic() - revoked_at:.2f} s")
     with pytest.raises(TaskRevokedError):
         call.get(timeout=RESULT_TIMEOUT)

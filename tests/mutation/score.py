@@ -1,4 +1,4 @@
-"""`make mutate`: mutmut over keys, config, task (names and modes) and sessions; the score.
+"""`make mutate`: mutmut over keys, config, task (names and modes) and lock sessions; the score.
 
     python -m tests.mutation.score [--workdir DIR] [--max-children N]
 
@@ -24,13 +24,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 _FINGERPRINT = "pglock_celery.config.x__fingerprint__mutmut_"
 
-#: The functions under test: all of keys, config and sessions; task's name
-#: resolution and modes (not its event and loss reporting).
+#: The functions under test: all of keys, config, session (a lock session's opening
+#: and use) and sources (where sessions come from); task's name resolution and modes
+#: (not its event and loss reporting).
 SCOPE = (
     "pglock_celery.keys.*",
     "pglock_celery.config.*",
-    "pglock_celery.sessions.*",
-    "pglock_celery.lock_session.*",
+    "pglock_celery.session.*",
+    "pglock_celery.sources.*",
     *(
         f"pglock_celery.task.xǁTenantLockedTaskǁ{method}__mutmut_*"
         for method in (
@@ -67,13 +68,11 @@ EQUIVALENT: dict[str, str] = {
         "pglock_dsn, which the extension matches in any case"
         for n in (12, 13)
     },
-    "pglock_celery.sessions.x__message_types__mutmut_16": "int.from_bytes is big-endian by "
+    # These two moved with their unchanged code from lock_session.py to session.py; the
+    # numbers are those of the last run before the move (check them after the next run).
+    "pglock_celery.session.x__message_types__mutmut_16": "int.from_bytes is big-endian by "
     "default since Python 3.11",
-    "pglock_celery.sessions.xǁLockSessionǁ__init____mutmut_6": "LockSession.dsn is never read",
-    "pglock_celery.sessions.xǁLockSessionǁ__init____mutmut_12": "None and False are both falsy",
-    "pglock_celery.sessions.x_give_back__mutmut_11": "None and False are both falsy",
-    "pglock_celery.sessions.xǁSessionConnectionǁwait__mutmut_1": "only how often a wait checks "
-    "for interrupts differs",
+    "pglock_celery.session.xǁLockSessionǁ__init____mutmut_6": "LockSession.dsn is never read",
 }
 
 

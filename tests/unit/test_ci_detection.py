@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import in_ci
+from tests.support.ci import in_ci
 
 
 @pytest.mark.parametrize("value", ["true", "True", "TRUE", "1", "yes", "Yes", " true "])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from tests.helpers.history import Run, overlaps
+from tests.support.history import Run, overlaps
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 

@@ -1,6 +1,6 @@
 """One TenantLockedTask call against a DSN, run where a test puts it (a network namespace).
 
-    python -m tests.helpers.attempt DSN TENANT
+    python -m tests.support.attempt DSN TENANT
 
 Prints one JSON line: whether the body ran, the call's error (type and message)
 and the seconds the call took. The pglock settings come from the environment.

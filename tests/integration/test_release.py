@@ -1,4 +1,4 @@
-"""A release is a release: when it returns, the server has freed the lock.
+"""G10, a release is a release: when it returns, the server has freed the lock.
 
 Under every strategy, whatever the holder did before (took its connection, left a
 transaction open, raised), another session takes the lock on its first try the
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pglock_celery.sources import registry
-from tests.helpers.probes import STRATEGIES, free_elsewhere, lock
+from tests.support.locks import STRATEGIES, free_elsewhere, lock
 
 
 @pytest.fixture(autouse=True)

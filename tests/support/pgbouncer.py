@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
-import pytest
 
+from .ci import missing
 from .services import free_port, wait_until
 
 
@@ -25,25 +25,34 @@ def _has_user(name: str) -> bool:
         return False
 
 
+def binary() -> str:
+    """The pgbouncer program; without it the test fails in CI and is skipped elsewhere."""
+    found = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+    if not Path(found).exists():
+        missing("pgbouncer is not installed (make test installs it from Debian's packages)")
+    return found
+
+
 @contextlib.contextmanager
 def pgbouncer(
     pg_dsn: str,
     tmp_path: Path,
     *,
     mode: str,
+    pool_size: int = 4,
     ignore_options: bool = False,
     reset_query: str | None = None,
 ) -> Iterator[str]:
     """Run PgBouncer (``mode``: session or transaction) and yield a DSN through it.
 
-    ``ignore_options`` sets ``ignore_startup_parameters = options``, a common
-    setting that makes PgBouncer drop the client's startup options silently.
-    ``reset_query`` sets ``server_reset_query`` (PgBouncer's default: DISCARD ALL;
-    ``""`` turns the reset off).
+    ``pool_size`` server sessions at most per database and user (1: every client
+    shares one backend). ``ignore_options`` sets ``ignore_startup_parameters =
+    options``, a common setting that makes PgBouncer drop the client's startup options
+    silently. ``reset_query`` sets ``server_reset_query`` (PgBouncer's default: DISCARD
+    ALL; ``""`` turns the reset off). PgBouncer refuses to run as root: then it runs as
+    postgres (or nobody). It is stopped by pid.
     """
-    binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
-    if not Path(binary).exists():
-        pytest.fail("pgbouncer is not installed (make test installs it from Debian's packages)")
+    program = binary()
     params = psycopg.conninfo.conninfo_to_dict(pg_dsn)
     port = free_port()
     (tmp_path / "users.txt").write_text(f'"{params.get("user", "postgres")}" ""\n')
@@ -56,10 +65,10 @@ def pgbouncer(
         "[pgbouncer]\n"
         f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
         f"auth_type = trust\nauth_file = {tmp_path / 'users.txt'}\n"
-        f"pool_mode = {mode}\ndefault_pool_size = 4\n{extra}"
+        f"pool_mode = {mode}\ndefault_pool_size = {pool_size}\n{extra}"
     )
     tmp_path.chmod(0o755)
-    command = [binary, str(tmp_path / "pgbouncer.ini")]
+    command = [program, str(tmp_path / "pgbouncer.ini")]
     if os.geteuid() == 0:
         command[1:1] = ["-u", "postgres" if _has_user("postgres") else "nobody"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -79,5 +88,9 @@ def pgbouncer(
         yield dsn
     finally:
         process.send_signal(signal.SIGTERM)
-        process.wait(10)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
         process.stderr.close()  # type: ignore[union-attr]

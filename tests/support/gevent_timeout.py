@@ -1,6 +1,6 @@
 """A gevent hard time limit (gevent.Timeout) firing while a shared lock is taken or released.
 
-Usage: python -m tests.adversary2_helpers.gevent_timeout DSN NAME {acquire,release} [--kill]
+Usage: python -m tests.support.gevent_timeout DSN NAME {acquire,release} [--kill]
 Prints one JSON line: what the server and this process see afterwards.
 """
 
@@ -13,19 +13,12 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 import gevent  # noqa: E402
-import psycopg  # noqa: E402
 
-from pglock_celery import LockLost, LockUnavailable, lock_key  # noqa: E402
+from pglock_celery import LockLost, LockUnavailable  # noqa: E402
 from pglock_celery.config import PglockConfig  # noqa: E402
 from pglock_celery.lock import AdvisoryLock  # noqa: E402
 from pglock_celery.sources import registry  # noqa: E402
-
-
-def free_elsewhere(dsn: str, name: str) -> bool:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT pg_try_advisory_lock(%s)", (lock_key(name),)).fetchone()
-        conn.execute("SELECT pg_advisory_unlock_all()")
-    return bool(row and row[0])
+from tests.support.locks import free_elsewhere, terminate  # noqa: E402
 
 
 def main() -> None:
@@ -56,8 +49,8 @@ def main() -> None:
     report: dict[str, object] = {"interrupted": interrupted, "acquired": target.acquired}
     report["free_elsewhere"] = free_elsewhere(dsn, name)
     if "--kill" in sys.argv:  # the shared session then dies: does its other holder learn it?
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute("SELECT pg_terminate_backend(%s)", (other.backend_pid,))  # type: ignore[union-attr]
+        if other.backend_pid is not None:  # None once its session is gone
+            terminate(dsn, other.backend_pid)
         time.sleep(1.0)  # several check intervals of "other"
     report["other_lost"] = other.lost_reason
     report["other_held"] = other.held()

@@ -1,6 +1,6 @@
 """A holder process that forks while another of its threads opens the lock session.
 
-Usage: python -m tests.adversary_helpers.fork_during_connect DSN NAME
+Usage: python -m tests.support.fork_during_connect DSN NAME
 
 Prints the pids of the forked children (each sleeps 30 s), then "held" once the
 lock is taken, then kills itself with SIGKILL: a holder that dies.

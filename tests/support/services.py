@@ -17,6 +17,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -38,6 +39,7 @@ __all__ = [
     "postgres_answers",
     "postgres_for_tests",
     "redis_for_tests",
+    "scalar",
     "wait_until",
 ]
 
@@ -251,3 +253,11 @@ def _clear(client: redis.Redis, keep: str) -> None:
     for key in client.scan_iter(count=500):
         if key != keep.encode():
             client.delete(key)
+
+
+def scalar(dsn: str, query: str, params: tuple[Any, ...] = ()) -> Any:
+    """The first value of ``query``'s first row (None without one), in a session of its own."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cursor = conn.execute(query, params)
+        row = cursor.fetchone() if cursor.description else None
+    return row[0] if row else None

@@ -1,6 +1,6 @@
 """A lock holder for the partition test, run inside a network namespace.
 
-    python -m tests.chaos.holder DSN NAME idle|statement
+    python -m tests.support.holder DSN NAME idle|statement
 
 Prints "acquired <backend pid>" once it holds the lock, then "lost <monotonic>"
 when it learns the lock is gone (idle: from the lock monitor; statement: from

@@ -5,15 +5,15 @@ PR 2689) in a venv of its own (PATRONI_VENV, built by :func:`ensure_tools` or
 ``make .venv-patroni/.installed-stamp``: its pins must not meet the main venv's); etcd
 from Debian's ``etcd-server``; Postgres 15 from Debian. Patroni runs as an unprivileged
 account (ACCOUNT, created when we are root) through ``setpriv``, in a tmp dir that
-account owns; every port comes from :func:`tests.helpers.services.free_port`.
+account owns; every port comes from :func:`tests.support.services.free_port`.
 
 The members start in parallel; :meth:`PatroniCluster.start` returns once one of them
 holds the leader key, every member is healthy and the synchronous standby is named.
 :meth:`PatroniCluster.stop` ends every process it started by pid (Patroni, the
 postmasters and their children, etcd), resuming paused ones first, also on failure.
 
-``python -m tests.helpers.patroni --install`` builds what is missing;
-``python -m tests.helpers.patroni --measure`` starts a cluster, prints its start time
+``python -m tests.support.patroni --install`` builds what is missing;
+``python -m tests.support.patroni --measure`` starts a cluster, prints its start time
 and memory, and stops it.
 """
 
@@ -41,7 +41,7 @@ from typing import Any
 import psutil
 import psycopg
 
-from tests.helpers.services import free_port, wait_until
+from tests.support.services import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 PATRONI_VERSION = "4.1.5"
