@@ -106,6 +106,12 @@ class Source(abc.ABC):
         verdict = self.fence.confirm(session.identity, fresh_for=self._fresh_for)
         if verdict.valid(for_at_least=self._fresh_for):
             return None
+        if verdict.leader:
+            return (
+                "its server leads, but a confirmation is trusted for less than a check "
+                f"interval and the time to ask ({self._fresh_for:g} s): lower "
+                "pglock_check_interval, or raise Patroni's ttl"
+            )
         return f"its server is not confirmed as the Patroni cluster's leader: {verdict.reason}"
 
     @abc.abstractmethod
