@@ -104,6 +104,8 @@ class SharedSource(Source):
             session: LockSession | None = None
             with self._ready:
                 while True:
+                    for closed in [s for s in self._pool if s.closed and not self._holds[s]]:
+                        self._holds.pop(closed)  # a closed one with holds is failed by a check
                     self._pool[:] = [s for s in self._pool if not s.closed]
                     quiet = [s for s in self._pool if not self._holds[s]]
                     if self._pool and (
@@ -126,13 +128,16 @@ class SharedSource(Source):
             with self.registry.opening():
                 session = open_session(self.config, self._name)
                 self._register(session)
-        finally:
+        except BaseException:
             with self._ready:
                 self._opening -= 1
                 self._ready.notify_all()
-        with self._ready:
+            raise
+        with self._ready:  # one step: the bound is never passed, not even for a moment
+            self._opening -= 1
             self._holds[session] = {}
             self._pool.append(session)
+            self._ready.notify_all()
         return session
 
     def _try(self, session: LockSession, hold: Hold) -> bool:
