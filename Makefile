@@ -87,9 +87,12 @@ integration: $(STAMP)
 chaos: $(STAMP)
 	$(PY) -m pytest tests/chaos
 
-# Side-by-side and scale benchmarks on a Postgres of their own: writes BENCHMARKS.md,
-# bench/chart.png and bench/scale.png (about 5 minutes). Some sections alone:
-# make bench ARGS="--sections 1,7" (python -m bench.scale and bench.guard run 7 and 6 alone).
+# Side-by-side and scale benchmarks on a Postgres of their own (about 5 minutes): one
+# module per question (bench/latency.py, throughput, recovery, fanout, peak, guard, scale)
+# writes its figures to bench/results/<question>.json, then bench/report.py renders
+# BENCHMARKS.md, bench/chart.png and bench/scale.png from those files alone. Some
+# sections: make bench ARGS="--sections 1,7"; one alone: python -m bench.<question>;
+# the page alone, from the stored data: python -m bench.report.
 bench: $(STAMP)
 	$(PY) -m bench.run $(ARGS)
 

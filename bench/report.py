@@ -1,39 +1,939 @@
-"""BENCHMARKS.md a section at a time: a section measured alone replaces only its own."""
+"""The one renderer of BENCHMARKS.md: the page and its charts from the stored data alone.
+
+    python -m bench.report [--results bench/results] [--out BENCHMARKS.md]
+
+Reads ``bench/results/<question>.json`` (written by ``make bench`` or by
+``python -m bench.<question>``) and ``bench/results/before.json`` (the figures of
+the old core, for the before-and-after section); measures nothing. A question
+never measured renders as "not measured"; a question measured apart from the
+whole run says so under its heading. Imports no question.
+"""
 
 from __future__ import annotations
 
-import re
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from bench.common import NOT_AVAILABLE, RESULTS, ROOT, RUN, load
+
+Data = dict[str, Any]
+#: The questions, in the page's order: (data file, section number).
+QUESTIONS = (
+    ("latency", "1"),
+    ("throughput", "2"),
+    ("recovery", "3"),
+    ("fanout", "4"),
+    ("peak", "5"),
+    ("guard", "6"),
+    ("scale", "7"),
+)
+BEFORE = "before"
+#: Issue 17's bound on the library's lock+release against the hand-rolled pair.
+HAND_BOUND = 1.15
+FLAT_BOUND = 1.5
+RECOVERY_BOUND_MS = 100.0
 
 
-def _heading_pattern(heading: str) -> re.Pattern[str]:
-    """The section under ``heading``, matched by its number ("## 7.") when it has one.
-
-    Numbered headings carry the run's counts, which change from run to run.
-    """
-    numbered = re.match(r"## [0-9A-Za-z]+\. ", heading)
-    start = re.escape(numbered.group(0)) + r"[^\n]*" if numbered else re.escape(heading)
-    return re.compile(rf"^{start}\n.*?(?=^## |^!\[chart\]|\Z)", re.M | re.S)
+def load_all(results: Path) -> dict[str, Data | None]:
+    names = [RUN, BEFORE, *(name for name, _ in QUESTIONS)]
+    return {name: load(name, results) for name in names}
 
 
-def write_section(
-    out: Path, lines: list[str], note: str | None = None, *, first: bool = False
-) -> None:
-    """Put the section ``lines`` (its heading first) into ``out``, before the charts.
+# --- lookups in the data --------------------------------------------------------------------
 
-    An earlier section of the same heading is replaced; a new one goes before the
-    charts, or before every other section when ``first``. ``note`` goes under the heading.
-    """
-    text = out.read_text() if out.exists() else "# Benchmarks\n\n"
-    body = [*lines[:1], "", note, *lines[1:]] if note else lines
-    section = "\n".join(body).rstrip("\n") + "\n\n"
-    pattern = _heading_pattern(lines[0])
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text, count=1)
-    elif first and (other := re.search(r"^## ", text, re.M)):
-        text = text[: other.start()] + section + text[other.start() :]
-    elif "![chart]" in text:
-        text = text.replace("![chart]", section + "![chart]", 1)
+
+def latency_row(data: Data | None, key: str) -> Data | None:
+    if data is None:
+        return None
+    return next((row for row in data["methods"] if row["key"] == key), None)
+
+
+def rounds_ratio(data: Data, key: str, against: str) -> list[float]:
+    """Per round of section 1, the p50 of ``key`` over the p50 of ``against``, sorted."""
+    rounds = data.get("round_p50_ms", {})
+    if key not in rounds or against not in rounds:
+        return []
+    return sorted(a / b for a, b in zip(rounds[key], rounds[against], strict=True))
+
+
+def throughput_medians(data: Data) -> dict[str, float]:
+    """Each variant's tasks per second, the median of the rounds."""
+    return {
+        v["key"]: statistics.median(r[v["key"]] for r in data["rounds"]) for v in data["variants"]
+    }
+
+
+def default_ratios(data: Data) -> list[float]:
+    """The default locked task's rate over plain's, round by round (run next to each other)."""
+    return sorted(r["reuse"] / r["plain"] for r in data["rounds"])
+
+
+def cpu_median(data: Data, which: str, key: str) -> float | None:
+    found = data.get(f"{which}_cpu_ms")
+    if not found or not found.get(key):
+        return None
+    return float(statistics.median(found[key]))
+
+
+def flat_p50(flat: Data, operation: str, strategy: str, level: int) -> float | None:
+    return next(
+        (
+            row["seconds"]
+            for row in flat["p50"]
+            if (row["operation"], row["strategy"], row["level"]) == (operation, strategy, level)
+        ),
+        None,
+    )
+
+
+def flat_ratio(flat: Data, operation: str, strategy: str) -> float | None:
+    none = flat_p50(flat, operation, strategy, 0)
+    most = flat_p50(flat, operation, strategy, flat["levels"][-1])
+    return most / none if none and most else None
+
+
+def holder_run(scale: Data | None, strategy: str, holders: int) -> Data | None:
+    if not scale or not scale.get("holders"):
+        return None
+    return next(
+        (
+            run
+            for run in scale["holders"]["runs"]
+            if run["strategy"] == strategy and run["holders"] == holders
+        ),
+        None,
+    )
+
+
+# --- targets --------------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    target: str
+    source: str
+    measured: str
+    met: bool | None  # None: not measured
+    why: str = ""
+
+    def row(self) -> str:
+        verdict = {True: "met", False: "**missed**", None: "not measured"}[self.met]
+        why = self.why if self.met is False else ""
+        return f"| {self.target} | {self.source} | {self.measured} | {verdict} | {why} |"
+
+
+def lock_release_target(latency: Data | None) -> Target:
+    what = (
+        f"Lock+release p50, default strategy: <= {HAND_BOUND}x the hand-rolled pair"
+        " (`pg_try_advisory_lock` then `pg_advisory_unlock`, each waited for, on an open"
+        " session), interleaved in one run"
+    )
+    reuse, hand = latency_row(latency, "reuse"), latency_row(latency, "hand")
+    if latency is None or reuse is None or hand is None:
+        return Target(what, "issue 17", "-", None)
+    ratio = reuse["p50_ms"] / hand["p50_ms"]
+    extra_us = (reuse["p50_ms"] - hand["p50_ms"]) * 1000
+    rounds = rounds_ratio(latency, "reuse", "hand")
+    spread = f"; rounds {rounds[0]:.2f}x to {rounds[-1]:.2f}x" if rounds else ""
+    why = (
+        f"over by {(ratio / HAND_BOUND - 1):.0%} of the bound: the library adds {extra_us:+.0f} us"
+        f" per cycle to the pair's two round trips (its Python work around the same two"
+        f" statements: the key, the session's checkout and proof of life, the hold's"
+        f" registration with the loss monitor, the session's name and `pglock.held`, set and"
+        f" cleared inside the same two statements), against {hand['p50_ms'] * 1000:.0f} us"
+        f" for the pair itself on this loopback"
+    )
+    return Target(
+        what,
+        "issue 17",
+        f"{reuse['p50_ms']:.3f} ms vs {hand['p50_ms']:.3f} ms: {ratio:.2f}x{spread}",
+        ratio <= HAND_BOUND,
+        why,
+    )
+
+
+def flat_targets(scale: Data | None) -> list[Target]:
+    found = []
+    flat = scale.get("flat") if scale else None
+    for operation in ("held()", "lock cycle", "reported skip"):
+        what = (
+            f"{operation}, default strategy, with 10,000 foreign locks: <= {FLAT_BOUND}x with none"
+        )
+        if not flat:
+            found.append(Target(what, "issue 9", "-", None))
+            continue
+        ratio = flat_ratio(flat, operation, "reuse")
+        none = flat_p50(flat, operation, "reuse", 0)
+        most = flat_p50(flat, operation, "reuse", flat["levels"][-1])
+        found.append(
+            Target(
+                what,
+                "issue 9",
+                f"{most * 1000:.3f} ms vs {none * 1000:.3f} ms: {ratio:.2f}x"
+                if ratio and none and most
+                else "-",
+                ratio <= FLAT_BOUND if ratio else None,
+                "" if not ratio or ratio <= FLAT_BOUND else "see section 7a",
+            )
+        )
+    return found
+
+
+def session_targets(scale: Data | None) -> list[Target]:
+    found = []
+    for holders, bound, what in (
+        (1_000, 4, "One gevent worker process, 1,000 concurrent holders, `shared`: <= 4 sessions"),
+        (10_000, 16, "10,000 locks held across the benchmark's processes: <= 16 sessions"),
+    ):
+        run = holder_run(scale, "shared", holders)
+        if run is None or run["note"] == NOT_AVAILABLE:
+            found.append(Target(what, "issue 9", NOT_AVAILABLE if run else "-", None))
+            continue
+        met = run["sessions"] <= bound and run["held"] == run["holders"]
+        why = "" if run["held"] == run["holders"] else f"only {run['held']:,} held: {run['note']}"
+        found.append(
+            Target(
+                what,
+                "issue 9",
+                f"{run['sessions']} sessions for {run['held']:,} locks held at once",
+                met,
+                why or ("" if met else f"{run['sessions']} sessions"),
+            )
+        )
+    return found
+
+
+def recovery_target(recovery: Data | None) -> Target:
+    what = f"A SIGKILLed holder's lock free again: median under {RECOVERY_BOUND_MS:.0f} ms"
+    source = "G2 (death frees)"
+    if recovery is None:
+        return Target(what, source, "-", None)
+    median = statistics.median(recovery["advisory_seconds"]) * 1000
+    worst = max(recovery["advisory_seconds"]) * 1000
+    return Target(
+        what,
+        source,
+        f"{median:.1f} ms (max {worst:.1f} ms, {len(recovery['advisory_seconds'])} rounds)",
+        median < RECOVERY_BOUND_MS,
+        "see section 3",
+    )
+
+
+def targets(data: dict[str, Data | None]) -> list[Target]:
+    """The targets that hold after the redesign, each from the stored figures."""
+    return [
+        lock_release_target(data["latency"]),
+        *flat_targets(data["scale"]),
+        *session_targets(data["scale"]),
+        recovery_target(data["recovery"]),
+    ]
+
+
+def render_targets(data: dict[str, Data | None]) -> list[str]:
+    rows = targets(data)
+    missed = [t for t in rows if t.met is False]
+    measured = [t for t in rows if t.met is not None]
+    lines = [
+        "## Targets",
+        "",
+        "| target | from | measured | met? | why, where missed |",
+        "| --- | --- | --- | --- | --- |",
+        *(t.row() for t in rows),
+        "",
+        f"{len(measured) - len(missed)} of {len(rows)} met"
+        + (f", {len(rows) - len(measured)} not measured" if len(measured) < len(rows) else "")
+        + "."
+        + (
+            " A target near its bound can flip from run to run on this shared machine."
+            if missed
+            else ""
+        ),
+        "",
+    ]
+    return [*lines, *render_dropped_targets(data)]
+
+
+def render_dropped_targets(data: dict[str, Data | None]) -> list[str]:
+    """Issue 9's targets that the redesign retired, each with today's figure."""
+    latency, throughput = data["latency"], data["throughput"]
+    reuse, lease = latency_row(latency, "reuse"), latency_row(latency, "lease")
+    floor = latency_row(latency, "floor")
+    lines = [
+        "Retired with the redesign (issue 17), kept as figures: issue 9 asked lock+release to be"
+        " <= 0.6x the Redis lease and <= 1.2x two `SELECT 1` round trips. Both came from the"
+        " unwaited unlock, which made a cycle one round trip. A release now waits for its"
+        " unlock, two round trips, by design: a release is a release (when it returns, any"
+        " session can take the lock), as a Redis lease's token-checked delete is waited for too."
+    ]
+    if reuse and lease and floor:
+        lines[-1] += (
+            f" Now: {reuse['p50_ms'] / lease['p50_ms']:.2f}x the Redis lease and"
+            f" {reuse['p50_ms'] / floor['p50_ms']:.2f}x two `SELECT 1` (section 1)."
+        )
+    lines[-1] += (
+        ' Issue 9\'s "locked no-op Celery throughput >= 95% of plain" is reported as a figure,'
+        " before and after, with the CPU each locked call costs (next section and section 2)"
+    )
+    if throughput is not None:
+        ratio = statistics.median(default_ratios(throughput))
+        lines[-1] += f": {ratio:.0%} of plain in this run"
+    lines[-1] += "."
+    return [*lines, ""]
+
+
+# --- before and after -----------------------------------------------------------------------
+
+
+def render_before_after(data: dict[str, Data | None]) -> list[str]:
+    before, latency, throughput = data[BEFORE], data["latency"], data["throughput"]
+    if before is None:
+        return []
+    lines = [
+        "## Before and after the redesign",
+        "",
+        f"Before: {before['source']}. After: this page's run (sections 1 and 2). Both on this"
+        " machine, each comparison interleaved within its own run.",
+        "",
+        "| figure | before (old core) | after (this run) |",
+        "| --- | ---: | ---: |",
+    ]
+    b = before
+    reuse, hand = latency_row(latency, "reuse"), latency_row(latency, "hand")
+    if reuse and hand:
+        library, pair = f"{reuse['p50_ms']:.3f} ms", f"{hand['p50_ms']:.3f} ms"
+        ratio = f"{reuse['p50_ms'] / hand['p50_ms']:.2f}x"
     else:
-        text = text.rstrip("\n") + "\n\n" + section
-    out.write_text(text)
+        library = pair = ratio = "not measured"
+    lines += [
+        f"| lock+release p50, default strategy (library) | {b['lock_release_ms']:.3f} ms"
+        f" | {library} |",
+        f"| the hand-rolled pair, each statement waited for | {b['hand_rolled_ms']:.3f} ms"
+        f" | {pair} |",
+        f"| library against the pair | {b['lock_release_ms'] / b['hand_rolled_ms']:.2f}x"
+        f" | {ratio} |",
+        "| round trips a lock cycle waits for | 1 (the unlock sent, not waited for)"
+        " | 2 (the lock, the unlock) |",
+    ]
+    if throughput is not None:
+        rates = throughput_medians(throughput)
+        ratio = statistics.median(default_ratios(throughput))
+        cpu = {
+            (which, key): cpu_median(throughput, which, key)
+            for which in ("worker", "server")
+            for key in ("plain", "reuse")
+        }
+
+        def ms(value: float | None) -> str:
+            return f"{value:.2f} ms" if value is not None else "n/a"
+
+        lines += [
+            "| locked no-op Celery throughput, share of plain (median of rounds) |"
+            f" {b['throughput_share']:.0%} ({b['locked_tasks_s']:.0f} vs"
+            f" {b['plain_tasks_s']:.0f} tasks/s) | {ratio:.0%} ({rates['reuse']:.0f} vs"
+            f" {rates['plain']:.0f} tasks/s) |",
+            f"| worker CPU per locked call (plain call) | {b['worker_cpu_ms']:.2f} ms"
+            f" ({b['plain_worker_cpu_ms']:.2f} ms) | {ms(cpu[('worker', 'reuse')])}"
+            f" ({ms(cpu[('worker', 'plain')])}) |",
+            f"| Postgres server CPU per locked call | {b['server_cpu_ms']:.2f} ms |"
+            f" {ms(cpu[('server', 'reuse')])} |",
+        ]
+    else:
+        lines.append("| locked no-op Celery throughput | see before | not measured |")
+    lines += [
+        "",
+        "The old core sent a release's unlock without waiting for it (its answer was read with"
+        ' the next lock), so its cycle waited for one round trip; another process told "done"'
+        " right after a release could still find the lock held. The new core waits for the"
+        " unlock: one more round trip per cycle, and the hand-rolled pair is the fair"
+        " yardstick. The CPU a locked call costs is its two statements' work on both sides.",
+        "",
+    ]
+    return lines
+
+
+# --- the sections ---------------------------------------------------------------------------
+
+
+def render_latency(d: Data) -> list[str]:
+    clients = d["clients"]
+    lines = [
+        f"## 1. Acquire + release, uncontended ({d['count']} cycles single, "
+        f"{clients} clients x {d['per_client']})",
+        "",
+        f"| method | p50 ms | p99 ms | p50 ms, {clients} clients | p99 ms, {clients} clients |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for row in d["methods"]:
+        lines.append(
+            f"| {row['label']} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} |"
+            f" {row['p50_ms_clients']:.3f} | {row['p99_ms_clients']:.3f} |"
+        )
+    if latency_row(d, "shared") is None:
+        lines.append(f"| advisory, pglock shared | {NOT_AVAILABLE} | | | |")
+    floor, reuse = latency_row(d, "floor"), latency_row(d, "reuse")
+    hand, lease = latency_row(d, "hand"), latency_row(d, "lease")
+    text = (
+        f"Measured in {d['rounds']} interleaved rounds (each round opens every method's"
+        " connections afresh and runs every method in turn). The floor is two `SELECT 1`"
+        " round trips on an open connection. A lock cycle is two round trips too: the lock,"
+        " then its release's unlock, each waited for; a release returns only once the server"
+        " has freed the lock, so any other session can take it at once."
+    )
+    if floor and reuse and hand and lease:
+        rounds = rounds_ratio(d, "reuse", "hand")
+        text += (
+            f" The hand-rolled pair of statements on an open session, each waited for and with"
+            f" no library around it, is {hand['p50_ms'] / floor['p50_ms']:.2f}x the floor; the"
+            f" default strategy against that pair: {reuse['p50_ms'] / hand['p50_ms']:.2f}x,"
+            f" {(reuse['p50_ms'] - hand['p50_ms']) * 1000:+.0f} us per cycle at the median"
+            + (
+                f" (round by round {rounds[0]:.2f}x to {rounds[-1]:.2f}x, median"
+                f" {statistics.median(rounds):.2f}x)"
+                if rounds
+                else ""
+            )
+            + f"; against the floor: {reuse['p50_ms'] / floor['p50_ms']:.2f}x; against the"
+            f" Redis lease (SET NX PX, then a token-checked delete, also two round trips):"
+            f" {reuse['p50_ms'] / lease['p50_ms']:.2f}x. Target at the top."
+        )
+    return [*lines, "", text, ""]
+
+
+def render_throughput(d: Data) -> list[str]:
+    rates = throughput_medians(d)
+    plain = rates["plain"]
+    processes = d["worker_processes"]
+    lines = [
+        f"## 2. Celery throughput, no-op step, {processes} worker processes (median of"
+        f" {len(d['rounds'])} interleaved rounds of {d['tasks_per_round']} tasks sent at once)",
+        "",
+        "| task | tasks/s | ratio to plain | worker CPU ms/task | Postgres CPU ms/task |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for variant in d["variants"]:
+        key, rate = variant["key"], rates[variant["key"]]
+        worker, server = cpu_median(d, "worker", key), cpu_median(d, "server", key)
+        lines.append(
+            f"| {variant['label']} | {rate:.0f} | {rate / plain:.2f} |"
+            f" {f'{worker:.2f}' if worker is not None else '-'} |"
+            f" {f'{server:.2f}' if server is not None else '-'} |"
+        )
+    if "shared" not in rates:
+        lines.append(f"| TenantLockedTask, shared | {NOT_AVAILABLE} | | | |")
+    ratios = default_ratios(d)
+    default = rates["reuse"]
+    worker_extra = _difference(d, "worker", "reuse", "plain")
+    server_extra = _difference(d, "server", "reuse", "plain")
+    lease_extra = _difference(d, "worker", "lease", "plain")
+    text = (
+        f"Default strategy at {default / plain:.0%} of plain Celery by the medians; round by"
+        f" round (each round runs every task one after the other) the default over plain was"
+        f" {', '.join(f'{r:.0%}' for r in ratios)}, median {statistics.median(ratios):.0%}."
+        f" A no-op task here costs about {processes * 1000 / plain:.1f} ms of a worker process;"
+        f" a locked one {processes * 1000 / default:.1f} ms: it adds two Postgres round trips"
+        " (the lock, and the release's unlock, each waited for) and the work of a Postgres"
+        " backend per call."
+    )
+    if worker_extra is not None:
+        text += (
+            f" Measured (the CPU columns, medians of the rounds: the worker's processes and the"
+            f" whole Postgres server, read around each run), a locked call takes"
+            f" {worker_extra:+.2f} ms of the worker's CPU"
+            + (f" (a Redis lease task {lease_extra:+.2f} ms)" if lease_extra is not None else "")
+            + (f" and {server_extra:+.2f} ms of the server's." if server_extra is not None else ".")
+        )
+    text += (
+        " On this 2-core machine the client, both worker processes, the worker's main process,"
+        " Redis and Postgres share two cores (with other work), so the run is CPU-bound and"
+        " every locked call's server work is taken from the worker processes: the ratio"
+        " measures CPU per call more than latency. With the database on another machine, as in"
+        " production, the backend's work leaves the workers' cores (not measured here)."
+    )
+    return [*lines, "", text, ""]
+
+
+def _difference(d: Data, which: str, key: str, against: str) -> float | None:
+    one, other = cpu_median(d, which, key), cpu_median(d, which, against)
+    return one - other if one is not None and other is not None else None
+
+
+def render_recovery(d: Data) -> list[str]:
+    times = d["advisory_seconds"]
+    median = statistics.median(times) * 1000
+    lease = d["lease_seconds"]
+    return [
+        "## 3. Recovery after the holder is SIGKILLed",
+        "",
+        "| lock | median | max |",
+        "| --- | ---: | ---: |",
+        f"| advisory lock ({len(times)} rounds) | {median:.1f} ms | {max(times) * 1000:.1f} ms |",
+        f"| Redis lease, {d['lease_ttl_seconds']} s TTL (1 round) | {lease:.1f} s |"
+        f" {lease:.1f} s |",
+        "",
+        f"Advisory median {median:.1f} ms (target: under {RECOVERY_BOUND_MS:.0f} ms): the"
+        " server ends the session as soon as the kernel closes the dead process's socket.",
+        "",
+    ]
+
+
+def render_fanout(d: Data) -> list[str]:
+    tenants, seconds = d["tenants"], d["fanout_seconds"]
+    lines = [
+        "## 4. Scan fan-out and the skip path",
+        "",
+        f"`scan_due_tenants` dispatched {tenants} due tenants in {seconds:.2f} s "
+        f"({tenants / seconds:.0f} messages/s): one query for the due tenants, then one"
+        " producer whose publishes kombu pipelines to Redis in batches of 500.",
+        "",
+        "| worker time per skipped call | holder reported | holder not reported |",
+        "| --- | ---: | ---: |",
+    ]
+    skips = {(s["strategy"], s["reported"]): s["ms"] for s in d["skips"]}
+    for strategy in dict.fromkeys(s for s, _ in skips):
+        lines.append(
+            f"| {strategy} | {skips[(strategy, True)]:.3f} ms | {skips[(strategy, False)]:.3f} ms |"
+        )
+    lines += [
+        "",
+        f"Mean of {d['skips_timed']} calls each. A reported skip looks its holder up by name in"
+        " `pg_stat_activity` (one row per session, so its cost follows the number of sessions,"
+        " not of locks); a holder on a shared session does not carry the lock's name and is"
+        " reported as unknown.",
+        "",
+    ]
+    return lines
+
+
+def render_peak(d: Data) -> list[str]:
+    running, processes = d["running"], d["processes"]
+    lines = [
+        f"## 5. Lock connections at peak ({running} running calls, 1 worker, {processes}"
+        " processes)",
+        "",
+        "| strategy | lock sessions at peak | lock sessions left open after |",
+        "| --- | ---: | ---: |",
+        *(f"| {p['strategy']} | {p['peak']} | {p['left']} |" for p in d["peaks"]),
+        "",
+        "Counted by the worker's own application_name prefix (`pglock_application_name`, a"
+        " new one per run), so that no other session on the server is counted. Target: no more"
+        " than the running locked calls plus the sessions each process keeps (`reuse`: its"
+        f" idle ones, `pglock_idle_sessions` = {d['idle_sessions']}, and a process running one"
+        " call at a time keeps 1; `shared`: up to `pglock_shared_sessions` ="
+        f" {d['shared_sessions']} per process, here one each, as each process runs one call at"
+        " a time).",
+        "",
+    ]
+    return lines
+
+
+def render_guard(d: Data) -> list[str]:
+    locks = d["foreign_locks"]
+    names = d["writers"]
+    one = {(r["writer"], r["locks"]): r["seconds"] for r in d["one_row"]}
+    wide = {(r["writer"], r["locks"]): r["seconds"] for r in d["per_row"]}
+    unguarded, guarded, hand = names["unguarded"], names["guarded"], names["hand_rolled"]
+    us = 1e6
+    lines = [
+        "## 6. Guarded tables",
+        "",
+        f"A one-row `UPDATE` through the holder's connection (p50 of"
+        f" {d['rounds'] * d['per_round']}; {d['rounds'] * d['hand_rolled_per_round']} for the"
+        f" hand-rolled holder), in rounds that alternate between other sessions holding no"
+        f" advisory lock and {locks:,}:",
+        "",
+        f"| writer | 0 foreign locks | {locks:,} foreign locks |",
+        "| --- | ---: | ---: |",
+    ]
+    for name in (unguarded, guarded, hand):
+        lines.append(
+            f"| {name} | {one[(name, 0)] * us:.0f} us | {one[(name, locks)] * us:.0f} us |"
+        )
+    ratio0 = one[(guarded, 0)] / one[(unguarded, 0)]
+    ratio_most = one[(guarded, locks)] / one[(unguarded, locks)]
+    flat = one[(guarded, locks)] / one[(guarded, 0)]
+    hand_ratio = one[(hand, locks)] / one[(hand, 0)]
+    wide0 = (wide[(guarded, 0)] - wide[(unguarded, 0)]) * us
+    wide_most = (wide[(guarded, locks)] - wide[(unguarded, locks)]) * us
+    lines += [
+        "",
+        f"Guarded against unguarded: {ratio0:.2f}x with no foreign lock, {ratio_most:.2f}x with"
+        f" {locks:,} (target: within 1.3x); the guarded write with {locks:,} foreign locks"
+        f" against none: {flat:.2f}x (target: flat). A library holder is recognised from its"
+        " session's `pglock.held` setting and a `pg_try_advisory_xact_lock_shared` on the row's"
+        " key, never from `pg_locks`. A hand-rolled holder's check reads `pg_locks` (a copy of"
+        f" the server's whole lock table): {hand_ratio:.2f}x slower with {locks:,} foreign"
+        " locks than with none.",
+        "",
+        f"The trigger's own cost, from a {d['wide_rows']:,}-row `UPDATE` of one tenant's rows"
+        f" (median of {d['rounds'] * d['wide_per_round']}): {wide0:.1f} us per row with no"
+        f" foreign lock, {wide_most:.1f} us with {locks:,} (guarded"
+        f" {wide[(guarded, 0)] * us:.1f} us per row, unguarded {wide[(unguarded, 0)] * us:.1f}"
+        " us). It builds the row's lock name, hashes it, reads one setting and takes a shared"
+        " transaction lock, per row.",
+        "",
+    ]
+    return lines
+
+
+def _ms(seconds: float | None) -> str:
+    return f"{seconds * 1000:.3f} ms" if seconds is not None else "-"
+
+
+def _mb(kb: int | None) -> str:
+    return f"{kb / 1024:,.0f} MB" if kb is not None else "n/a (server not local)"
+
+
+def render_scale(d: Data) -> list[str]:
+    lines = ["## 7. Scale", ""]
+    flat, holders, throughput = d.get("flat"), d.get("holders"), d.get("throughput")
+    if flat:
+        lines += _render_flat(flat)
+    if holders:
+        lines += _render_holders(d, holders)
+    if throughput:
+        lines += _render_spin(throughput)
+    return [*lines, "![scale](bench/scale.png)", ""]
+
+
+def _render_flat(flat: Data) -> list[str]:
+    levels = flat["levels"]
+    samples = flat["samples"]
+    lines = [
+        "### 7a. Cost against the number of advisory locks on the server",
+        "",
+        f"p50 of {samples.get('lock cycle', 0)} calls per level"
+        f" ({samples.get('pg_locks read', 0)} for the `pg_locks` read), in {flat['rounds']}"
+        " rounds that rotate the order of the levels. The foreign locks are held by 10 plain"
+        " sessions (not the library's); advisory locks seen on the server at each level: "
+        + ", ".join(f"{flat['seen'].get(str(level), 0):,}" for level in levels)
+        + " (the library's own included).",
+        "",
+        "| operation | strategy | "
+        + " | ".join(f"{level:,} foreign locks" for level in levels)
+        + f" | {levels[-1]:,} against 0 |",
+        "| --- | --- | " + " | ".join("---:" for _ in levels) + " | ---: |",
+    ]
+    pairs = list(dict.fromkeys((r["operation"], r["strategy"]) for r in flat["p50"]))
+    order = ("lock cycle", "held()", "reported skip", "pg_locks read")
+    for operation in order:
+        for strategy in ("reuse", "shared", "hand-rolled"):
+            if (operation, strategy) not in pairs:
+                continue
+            ratio = flat_ratio(flat, operation, strategy)
+            cells = " | ".join(_ms(flat_p50(flat, operation, strategy, lv)) for lv in levels)
+            lines.append(
+                f"| {operation} | {strategy} | {cells} | "
+                + (f"{ratio:.2f}x |" if ratio is not None else "- |")
+            )
+    if not any(strategy == "shared" for _, strategy in pairs):
+        lines += ["", f"Strategy `shared`: {NOT_AVAILABLE}."]
+    lines += [
+        "",
+        "A lock cycle is `AdvisoryLock` acquire + release with a name of its own; `held()`"
+        " asks the server about a lock held throughout; a reported skip is a"
+        " `TenantLockedTask` call whose lock another lock session holds, with"
+        " `pglock_report_holder` on (the default). The `pg_locks` read is"
+        " `inspect.find_holder`, the lookup a hand-rolled holder report does: it copies the"
+        " server's whole lock table, and shows that the foreign locks are there.",
+        "",
+    ]
+    return lines
+
+
+def _render_holders(d: Data, holders: Data) -> list[str]:
+    runs = holders["runs"]
+    lines = [
+        "### 7b. Lock sessions and server memory for concurrent holders",
+        "",
+        f"`celery -P gevent`: real gevent workers, {holders['holders']:,} calls at once each"
+        " holding a lock of its own name. `bench.holders`: the library alone, gevent processes"
+        " whose greenlets each hold a lock of their own (10,000 calls through Celery would take"
+        " a minute of this machine's two cores). Sessions are counted by the run's own"
+        " `pglock_application_name` prefix, so nothing else on the server is counted; memory"
+        " is read from /proc for those sessions' backends.",
+        "",
+        "| strategy | holders run by | processes | holders | held at once | lock sessions"
+        " | advisory locks on them | backends' private memory (RssAnon) | their RSS |"
+        " seconds to all held | sessions left after |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for run in runs:
+        head = f"| {run['strategy']} | `{run['how']}` | {run['processes']} | {run['holders']:,} |"
+        if run["note"] == NOT_AVAILABLE:
+            lines.append(f"{head} {NOT_AVAILABLE} |" + " |" * 6)
+            continue
+        lines.append(
+            f"{head} {run['held']:,} | {run['sessions']:,} | {run['locks']:,} |"
+            f" {_mb(run['private_kb'])} | {_mb(run['rss_kb'])} | {run['seconds']:.1f} |"
+            f" {run['left']} |"
+        )
+    notes = [r for r in runs if r["note"] and r["note"] != NOT_AVAILABLE]
+    reuse = holder_run(d, "reuse", holders["holders"])
+    per = (
+        f" Per `reuse` backend: {reuse['private_kb'] / reuse['sessions']:,.0f} kB private."
+        if reuse and reuse["sessions"] and reuse["private_kb"] is not None
+        else ""
+    )
+    return [
+        *lines,
+        "",
+        *(f"- {r['strategy']}, {r['holders']:,} holders: {r['note']}." for r in notes),
+        *([""] if notes else []),
+        "With `reuse` each running call has a session, and so a backend, of its own. Private"
+        " memory is what each backend allocated for itself; RSS also counts the shared buffers"
+        " it touched, once per backend, so it overstates." + per,
+        "",
+    ]
+
+
+def _render_spin(t: Data) -> list[str]:
+    clients = t["clients"]
+    rates = {(r["method"], r["clients"]): r["rate"] for r in t["rates"]}
+    lines = [
+        "### 7c. Lock throughput (acquire + release cycles per second)",
+        "",
+        f"Each client runs lock cycles on names of its own for {t['seconds']} s; median of"
+        f" {t['rounds']} rounds that rotate the order of the methods. pgbench is the server's"
+        " own limit on this machine: no Python, prepared statements.",
+        "",
+        "| method | " + " | ".join(f"{n} client{'s' if n > 1 else ''}" for n in clients) + " |",
+        "| --- | " + " | ".join("---:" for _ in clients) + " |",
+    ]
+    for method in t["methods"]:
+        if method in t["notes"]:
+            lines.append(f"| {method} | {t['notes'][method]} |" + " |" * (len(clients) - 1))
+            continue
+        cells = " | ".join(
+            f"{rate:,.0f}" if (rate := rates.get((method, n))) else "-" for n in clients
+        )
+        lines.append(f"| {method} | {cells} |")
+    return [
+        *lines,
+        "",
+        "Clients, Postgres and the other work on this machine share its 2 cores: past 2"
+        " clients the figures measure CPU per cycle (client plus server), not waiting.",
+        "",
+    ]
+
+
+RENDERERS: dict[str, Callable[[Data], list[str]]] = {
+    "latency": render_latency,
+    "throughput": render_throughput,
+    "recovery": render_recovery,
+    "fanout": render_fanout,
+    "peak": render_peak,
+    "guard": render_guard,
+    "scale": render_scale,
+}
+TITLES = {
+    "latency": "Acquire + release, uncontended",
+    "throughput": "Celery throughput",
+    "recovery": "Recovery after the holder is SIGKILLed",
+    "fanout": "Scan fan-out and the skip path",
+    "peak": "Lock connections at peak",
+    "guard": "Guarded tables",
+    "scale": "Scale",
+}
+
+
+# --- the page -------------------------------------------------------------------------------
+
+
+def render_header(run: Data | None) -> list[str]:
+    lines = ["# Benchmarks", ""]
+    if run is None:
+        lines += [
+            "No whole run of `make bench` is stored (bench/results/run.json): each section"
+            " says how and when it was measured.",
+            "",
+        ]
+    else:
+        meta, m = run["meta"], run["machine"]
+        lines += [
+            f"Written from the data of `{meta['command']}` of {meta['date']}, which took"
+            f" {meta['seconds']:.0f} s (bench/results/*.json; `python -m bench.report` renders"
+            f" this page from them alone). Machine: {m['machine']}, {m['cores']} cores,"
+            f" {m['system']}; Python {m['python']}, Celery {m['celery']}, kombu {m['kombu']},"
+            f" psycopg {m['psycopg']}, redis-py {m['redis_py']}; {meta['server']}. Postgres and"
+            " Redis on 127.0.0.1 (TCP loopback, trust auth), so every round trip is as cheap as"
+            " it gets: over a real network the advisory lock and the Redis lease pay the same"
+            " extra per round trip.",
+            "",
+        ]
+    lines += [
+        "**Noise.** The machine's 2 cores are shared with other engineers' test runs, which"
+        " ran during this one: absolute figures move by tens of percent from run to run."
+        " Every comparison is made inside one run and interleaved (methods alternate within"
+        " rounds, levels rotate, medians over rounds), so that the noise falls on all sides"
+        " alike; ratios are steadier than the figures they come from.",
+        "",
+        "**Layout.** One module per question, each writing its figures to"
+        " `bench/results/<question>.json`: `bench.latency` (1), `bench.throughput` (2),"
+        " `bench.recovery` (3), `bench.fanout` (4), `bench.peak` (5), `bench.guard` (6),"
+        " `bench.scale` (7). `python -m bench.<question>` runs one alone and rewrites its data"
+        " and this page; `make bench` runs them all.",
+        "",
+    ]
+    return lines
+
+
+def section_note(meta: Data, run: Data | None) -> str | None:
+    """Under a section measured apart from the whole run: by what, when."""
+    if run is not None and meta.get("run") == run["meta"]["run"]:
+        return None
+    return (
+        f"Measured apart by `{meta['command']}` on {meta['date']} in {meta['seconds']:.0f} s"
+        f" ({meta['server']}), on the machine of the other sections."
+    )
+
+
+def render(data: dict[str, Data | None]) -> str:
+    """The whole page from the stored data."""
+    run = data[RUN]
+    text = [*render_header(run), *render_targets(data), *render_before_after(data)]
+    for name, number in QUESTIONS:
+        found = data[name]
+        if found is None:
+            text += [f"## {number}. {TITLES[name]}", "", "Not measured.", ""]
+            continue
+        lines = RENDERERS[name](found)
+        note = section_note(found.get("meta", {}), run) if found.get("meta") else None
+        text += [*lines[:1], "", note, *lines[1:]] if note else lines
+    if data["latency"] is not None and data["throughput"] is not None:
+        text += ["![chart](bench/chart.png)", ""]
+    return "\n".join(text).rstrip("\n") + "\n"
+
+
+def write(out: Path, results: Path = RESULTS, charts: bool = True) -> None:
+    """Write the page ``out`` and, when ``charts``, its charts, from ``results``."""
+    data = load_all(results)
+    out.write_text(render(data))
+    if charts:
+        # Next to the page, where its links look: bench/chart.png, bench/scale.png.
+        folder = out.parent / "bench"
+        folder.mkdir(exist_ok=True)
+        if data["latency"] is not None and data["throughput"] is not None:
+            chart(data["latency"], data["throughput"], folder / "chart.png")
+        if data["scale"] is not None:
+            scale_chart(data["scale"], folder / "scale.png")
+
+
+# --- the charts -----------------------------------------------------------------------------
+
+
+def chart(latency: Data, throughput: Data, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = latency["methods"]
+    rates = throughput_medians(throughput)
+    labels = {v["key"]: v["label"] for v in throughput["variants"]}
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    left.barh([r["label"] for r in rows], [r["p50_ms"] for r in rows], color="#4477aa")
+    left.set_xlabel("acquire + release p50, ms (single client)")
+    left.invert_yaxis()
+    right.barh([labels[k] for k in rates], list(rates.values()), color="#66aa55")
+    right.set_xlabel(f"no-op tasks per second, {throughput['worker_processes']} worker processes")
+    right.invert_yaxis()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def scale_chart(scale: Data, path: Path) -> None:
+    """One panel per part measured: costs against locks, sessions and memory, throughput."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    holders = scale.get("holders") or {}
+    measured = [r for r in holders.get("runs", []) if r["note"] != NOT_AVAILABLE and r["held"]]
+    panels = [
+        draw
+        for draw, present in (
+            (_chart_flat, bool(scale.get("flat"))),
+            (_chart_holders, bool(measured)),
+            (_chart_spin, bool(scale.get("throughput"))),
+        )
+        if present
+    ]
+    if not panels:
+        return
+    figure, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), squeeze=False)
+    for draw, axis in zip(panels, axes[0], strict=True):
+        draw(scale, axis)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _chart_flat(scale: Data, axis: Any) -> None:
+    flat = scale["flat"]
+    levels = flat["levels"]
+    for operation, strategy in dict.fromkeys((r["operation"], r["strategy"]) for r in flat["p50"]):
+        values = [(flat_p50(flat, operation, strategy, lv) or 0) * 1000 for lv in levels]
+        axis.plot(levels, values, marker="o", label=f"{operation} ({strategy})")
+    axis.set_yscale("log")
+    axis.set_xlabel("advisory locks held by other sessions")
+    axis.set_ylabel("p50, ms (log)")
+    axis.set_xticks(levels, [f"{level:,}" for level in levels])
+    axis.legend(fontsize=8)
+    axis.set_title("cost against the number of locks on the server")
+
+
+def _chart_holders(scale: Data, axis: Any) -> None:
+    runs = [r for r in scale["holders"]["runs"] if r["note"] != NOT_AVAILABLE and r["held"]]
+    labels = [f"{r['strategy']}\n{r['held']:,} held\n{r['processes']} process(es)" for r in runs]
+    places = range(len(runs))
+    axis.bar([p - 0.2 for p in places], [r["sessions"] for r in runs], 0.4, label="lock sessions")
+    axis.bar(
+        [p + 0.2 for p in places],
+        [(r["private_kb"] or 0) / 1024 for r in runs],
+        0.4,
+        label="backends' private memory, MB",
+    )
+    axis.set_yscale("log")
+    axis.set_xticks(list(places), labels, fontsize=8)
+    axis.legend(fontsize=8)
+    axis.set_title("concurrent holders: sessions and server memory (log)")
+
+
+def _chart_spin(scale: Data, axis: Any) -> None:
+    t = scale["throughput"]
+    clients = t["clients"]
+    rates = {(r["method"], r["clients"]): r["rate"] for r in t["rates"]}
+    for method in t["methods"]:
+        shown = [(n, r) for n in clients if (r := rates.get((method, n)))]
+        if shown:
+            axis.plot(*zip(*shown, strict=True), marker="o", label=method)
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(clients, [str(n) for n in clients])
+    axis.set_xlabel("clients")
+    axis.set_ylabel("lock cycles per second")
+    axis.legend(fontsize=8)
+    axis.set_title("lock throughput")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.report", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--results", default=str(RESULTS), help="the data files")
+    parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    parser.add_argument("--no-charts", action="store_true", help="the page only")
+    args = parser.parse_args(argv)
+    write(Path(args.out), Path(args.results), charts=not args.no_charts)
+    print(f"wrote {args.out} from {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Section 7 of `make bench`: scale. Costs against the number of locks on the server,
+"""Section 7: how does the lock scale? Costs against the number of locks on the server,
 sessions and server memory for 1,000 concurrent holders, lock throughput against
 the server's own limit.
 
@@ -14,10 +14,10 @@ the server's own limit.
   running the same two statements (``pg_try_advisory_lock`` then
   ``pg_advisory_unlock``, prepared, from C): the server's own limit here.
 
-Runs alone, one part or all, and rewrites only its own section of BENCHMARKS.md
-and bench/scale.png::
+Runs alone, one part or all (a part not run keeps its stored figures), rewrites
+``bench/results/scale.json`` and renders BENCHMARKS.md and bench/scale.png::
 
-    python -m bench.scale [--dsn DSN] [--only flat,holders,throughput]
+    python -m bench.scale [--dsn DSN] [--scale flat,holders,throughput]
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime as dt
 import multiprocessing
 import os
 import re
@@ -33,12 +32,11 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,21 +44,29 @@ import psycopg
 import redis
 from celery import Celery
 
-from bench.guard import ForeignLocks
-from bench.report import write_section
-from bench.server import bench_postgres, system_bindir
+from bench import cli
+from bench.common import (
+    NOT_AVAILABLE,
+    ROOT,
+    Context,
+    ForeignLocks,
+    close_sessions,
+    load,
+    settled,
+    shared_config,
+    timed,
+)
+from bench.server import system_bindir
 from bench.workers import worker
 from pglock_celery import TenantLockedTask
 from pglock_celery.config import PglockConfig
 from pglock_celery.inspect import find_holder
 from pglock_celery.keys import lock_key
 from pglock_celery.lock import AdvisoryLock
-from pglock_celery.sources import registry
-from tasks.services import redis_service, wait_until
+from tasks.services import wait_until
 
-ROOT = Path(__file__).resolve().parents[1]
-HEADING = "## 7. Scale"
-NOT_AVAILABLE = "not available on this build"
+NAME, SECTION, TITLE = "scale", "7", "scale"
+PARTS = ("flat", "holders", "throughput")
 
 LEVELS = (0, 1_000, 10_000)
 FLAT_ROUNDS = 6
@@ -84,37 +90,7 @@ REUSE_CYCLES = "pglock reuse (a process per client)"
 SHARED_CYCLES = "pglock shared (a thread per client, one process)"
 
 
-def shared_config(dsn: str) -> PglockConfig | None:
-    """The ``shared`` strategy with 4 sessions, or None on a build without it."""
-    try:
-        return PglockConfig(dsn=dsn, strategy="shared", shared_sessions=4)
-    except TypeError:
-        return None
-
-
-def _p50(samples: list[float]) -> float:
-    return statistics.median(samples)
-
-
-def _timed(once: Callable[[], object], count: int) -> list[float]:
-    samples = []
-    for _ in range(count):
-        began = time.perf_counter()
-        once()
-        samples.append(time.perf_counter() - began)
-    return samples
-
-
 # --- flat costs ------------------------------------------------------------------------
-
-
-@dataclass
-class FlatFigures:
-    #: (operation, strategy, foreign locks) -> p50 seconds.
-    p50: dict[tuple[str, str, int], float]
-    #: foreign locks asked for -> advisory locks seen on the server (a check).
-    seen: dict[int, int]
-    samples: dict[str, int]
 
 
 def _skipper(dsn: str, strategy: str) -> Callable[[], object]:
@@ -144,7 +120,7 @@ def _cycle(config: PglockConfig, tag: str) -> Callable[[], None]:
     return once
 
 
-def measure_flat(dsn: str) -> FlatFigures:
+def measure_flat(dsn: str) -> dict[str, Any]:
     """Each operation's p50 with 0, 1,000 and 10,000 foreign locks, levels rotated per round."""
     strategies = {"reuse": PglockConfig(dsn=dsn, strategy="reuse")}
     shared = shared_config(dsn)
@@ -156,7 +132,7 @@ def measure_flat(dsn: str) -> FlatFigures:
     foreign = ForeignLocks(dsn)
     with contextlib.ExitStack() as stack:
         stack.callback(foreign.close)
-        stack.callback(_close_sessions)
+        stack.callback(close_sessions)
         # The skipped calls' holder: a lock session of another process would do as well;
         # this one is the library's own, so that its holder report finds it by name.
         holder = AdvisoryLock(f"tenant:{SKIP_TENANT}", config=strategies["reuse"])
@@ -173,7 +149,7 @@ def measure_flat(dsn: str) -> FlatFigures:
         key = lock_key(f"tenant:{SKIP_TENANT}")
         ops[(PG_LOCKS, "hand-rolled")] = lambda: find_holder(plain, key)
         for once in ops.values():
-            _timed(once, 10)  # sessions open, statements prepared, caches warm: not counted
+            timed(once, 10)  # sessions open, statements prepared, caches warm: not counted
         for round_number in range(FLAT_ROUNDS):
             shift = round_number % len(LEVELS)
             for level in LEVELS[shift:] + LEVELS[:shift]:
@@ -181,12 +157,19 @@ def measure_flat(dsn: str) -> FlatFigures:
                 seen[level] = _advisory_locks(plain)
                 for (operation, strategy), once in ops.items():
                     count = PG_LOCKS_PER_ROUND if operation == PG_LOCKS else FLAT_PER_ROUND
-                    samples.setdefault((operation, strategy, level), []).extend(_timed(once, count))
-    return FlatFigures(
-        p50={k: _p50(v) for k, v in samples.items()},
-        seen=seen,
-        samples={operation: len(v) for (operation, _, level), v in samples.items() if not level},
-    )
+                    samples.setdefault((operation, strategy, level), []).extend(timed(once, count))
+    return {
+        "levels": list(LEVELS),
+        "rounds": FLAT_ROUNDS,
+        # Each (operation, strategy, foreign locks): its p50 in seconds.
+        "p50": [
+            {"operation": op, "strategy": strategy, "level": level, "seconds": statistics.median(v)}
+            for (op, strategy, level), v in samples.items()
+        ],
+        # Foreign locks asked for -> advisory locks seen on the server (a check).
+        "seen": {str(level): n for level, n in seen.items()},
+        "samples": {op: len(v) for (op, _, level), v in samples.items() if not level},
+    }
 
 
 def _advisory_locks(conn: psycopg.Connection[Any]) -> int:
@@ -409,18 +392,6 @@ def _wait_for(count: Callable[[], int], holders: int) -> int:
     return max(last, 0)
 
 
-def settled(count: Callable[[], int], timeout: float = 30.0) -> int:
-    """``count()`` once it has not changed for a second (sessions still closing)."""
-    deadline = time.monotonic() + timeout
-    last, since = count(), time.monotonic()
-    while time.monotonic() < deadline and time.monotonic() - since < 1.0:
-        time.sleep(0.2)
-        now = count()
-        if now != last:
-            last, since = now, time.monotonic()
-    return last
-
-
 def _errors(logs: list[Path]) -> str:
     """The distinct errors the workers' calls raised, with their counts."""
     found: dict[str, int] = {}
@@ -448,13 +419,6 @@ def measure_holders(dsn: str, broker: str, logs: Path) -> list[HolderRun]:
 # --- throughput --------------------------------------------------------------------------
 
 
-@dataclass
-class ThroughputFigures:
-    #: (method, clients) -> lock cycles per second (median over rounds), or None.
-    rates: dict[tuple[str, int], float | None]
-    notes: dict[str, str] = field(default_factory=dict)
-
-
 def _spin(args: tuple[str, float, float]) -> int:
     """One client process: pglock ``reuse`` lock cycles between ``start`` and ``end``."""
     dsn, start, end = args
@@ -464,11 +428,7 @@ def _spin(args: tuple[str, float, float]) -> int:
             once()
         return _until(once, start, end)
     finally:
-        _close_sessions()
-
-
-def _close_sessions() -> None:
-    registry.close()
+        close_sessions()
 
 
 def _until(once: Callable[[], None], start: float, end: float) -> int:
@@ -498,7 +458,7 @@ def _spin_threads(args: tuple[str, int, float, float]) -> int:
         thread.start()
     for thread in threads:
         thread.join()
-    _close_sessions()
+    close_sessions()
     return sum(counts)
 
 
@@ -527,7 +487,7 @@ def _pgbench(dsn: str, clients: int, script: Path) -> float | None:
     return float(match.group(1)) if match else None
 
 
-def measure_throughput(dsn: str, work: Path) -> ThroughputFigures:
+def measure_throughput(dsn: str, work: Path) -> dict[str, Any]:
     """Cycles per second of each method and client count, in rotating interleaved rounds."""
     script = work / "pgbench-advisory.sql"
     script.write_text(PGBENCH_SCRIPT)
@@ -557,292 +517,53 @@ def measure_throughput(dsn: str, work: Path) -> ThroughputFigures:
                         rate = sum(pool.map(_spin, args, chunksize=1)) / SPIN_SECONDS
                     if rate is not None:
                         rates.setdefault((method, clients), []).append(rate)
-    return ThroughputFigures(
-        rates={
-            (method, clients): (
-                statistics.median(rates[(method, clients)]) if (method, clients) in rates else None
-            )
-            for method in methods
-            for clients in CLIENTS
-        },
-        notes=notes,
+    return {
+        "seconds": SPIN_SECONDS,
+        "rounds": SPIN_ROUNDS,
+        "clients": list(CLIENTS),
+        "methods": methods,
+        # Each (method, clients): lock cycles per second, the median over rounds.
+        "rates": [
+            {"method": method, "clients": clients, "rate": statistics.median(found)}
+            for (method, clients), found in rates.items()
+        ],
+        "notes": notes,
+    }
+
+
+# --- the question -----------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--scale", default=",".join(PARTS), help="parts of section 7 to run (default: all)"
     )
 
 
-# --- the section -------------------------------------------------------------------------
-
-
-@dataclass
-class ScaleFigures:
-    flat: FlatFigures | None = None
-    holders: list[HolderRun] = dataclasses.field(default_factory=list)
-    throughput: ThroughputFigures | None = None
-    elapsed: float = 0.0
-
-
-def measure(dsn: str, broker: str, work: Path, parts: tuple[str, ...]) -> ScaleFigures:
-    figures = ScaleFigures()
-    started = time.perf_counter()
+def measure(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
+    """The parts asked for; a part not run keeps the figures stored by an earlier run."""
+    parts = [part.strip() for part in args.scale.split(",")]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise SystemExit(f"no part {', '.join(sorted(unknown))} of section 7: pick from {PARTS}")
+    stored = load(NAME, Path(args.results)) or {}
+    figures: dict[str, Any] = {part: stored.get(part) for part in PARTS}
+    figures["parts_measured"] = parts
     if "flat" in parts:
         print("  7a. costs with 0, 1,000 and 10,000 foreign locks", flush=True)
-        figures.flat = measure_flat(dsn)
+        figures["flat"] = measure_flat(ctx.dsn)
     if "holders" in parts:
         print("  7b. 1,000 and 10,000 concurrent holders in gevent workers", flush=True)
-        figures.holders = measure_holders(dsn, broker, work)
+        holders = measure_holders(ctx.dsn, ctx.broker, ctx.work)
+        figures["holders"] = {
+            "holders": HOLDERS,
+            "runs": [dataclasses.asdict(run) for run in holders],
+        }
     if "throughput" in parts:
         print("  7c. lock throughput with 1, 4 and 16 clients", flush=True)
-        figures.throughput = measure_throughput(dsn, work)
-    figures.elapsed = time.perf_counter() - started
+        figures["throughput"] = measure_throughput(ctx.dsn, ctx.work)
     return figures
 
 
-def flat_ratio(flat: FlatFigures, operation: str, strategy: str) -> float | None:
-    none, most = (flat.p50.get((operation, strategy, level)) for level in (0, LEVELS[-1]))
-    return most / none if none and most else None
-
-
-def holder_run(figures: ScaleFigures, strategy: str, holders: int) -> HolderRun | None:
-    return next(
-        (r for r in figures.holders if r.strategy == strategy and r.holders == holders), None
-    )
-
-
-def _ms(seconds: float | None) -> str:
-    return f"{seconds * 1000:.3f} ms" if seconds is not None else "-"
-
-
-def _mb(kb: int | None) -> str:
-    return f"{kb / 1024:,.0f} MB" if kb is not None else "n/a (server not local)"
-
-
-def render(figures: ScaleFigures) -> list[str]:
-    lines = [HEADING, ""]
-    flat = figures.flat
-    if flat is not None:
-        lines += [
-            "### 7a. Cost against the number of advisory locks on the server",
-            "",
-            f"p50 of {flat.samples.get(CYCLE, 0)} calls per level ({flat.samples.get(PG_LOCKS, 0)}"
-            f" for the `pg_locks` read), in {FLAT_ROUNDS} rounds that rotate the order of the"
-            " levels. The foreign locks are held by 10 plain sessions (not the library's);"
-            " advisory locks seen on the server at each level: "
-            + ", ".join(f"{flat.seen.get(level, 0):,}" for level in LEVELS)
-            + " (the library's own included).",
-            "",
-            "| operation | strategy | "
-            + " | ".join(f"{level:,} foreign locks" for level in LEVELS)
-            + f" | {LEVELS[-1]:,} against 0 |",
-            "| --- | --- | " + " | ".join("---:" for _ in LEVELS) + " | ---: |",
-        ]
-        strategies = [
-            s
-            for s in ("reuse", "shared", "hand-rolled")
-            if (CYCLE, s, 0) in flat.p50 or (PG_LOCKS, s, 0) in flat.p50
-        ]
-        for operation in (CYCLE, HELD, SKIP, PG_LOCKS):
-            for strategy in strategies:
-                if (operation, strategy, 0) not in flat.p50:
-                    continue
-                ratio = flat_ratio(flat, operation, strategy)
-                cells = " | ".join(_ms(flat.p50.get((operation, strategy, lv))) for lv in LEVELS)
-                lines.append(
-                    f"| {operation} | {strategy} | {cells} | "
-                    + (f"{ratio:.2f}x |" if ratio is not None else "- |")
-                )
-        if shared_config_missing(flat):
-            lines += ["", f"Strategy `shared`: {NOT_AVAILABLE}."]
-        lines += [
-            "",
-            "A lock cycle is `AdvisoryLock` acquire + release with a name of its own; `held()`"
-            " asks the server about a lock held throughout; a reported skip is a"
-            " `TenantLockedTask` call whose lock another lock session holds, with"
-            " `pglock_report_holder` on (the default). The `pg_locks` read is"
-            " `inspect.find_holder`, the lookup a hand-rolled holder report does: it copies the"
-            " server's whole lock table, and shows that the foreign locks are there.",
-            "",
-        ]
-    if figures.holders:
-        lines += [
-            "### 7b. Lock sessions and server memory for concurrent holders",
-            "",
-            f"`{CELERY}`: real gevent workers, {HOLDERS:,} calls at once each holding a lock"
-            f" of its own name. `{PLAIN}`: the library alone, gevent processes whose greenlets"
-            " each hold a lock of their own (10,000 calls through Celery would take a minute"
-            " of this machine's two cores). Sessions are counted by the run's own"
-            " `pglock_application_name` prefix, so nothing else on the server is counted;"
-            " memory is read from /proc for those sessions' backends.",
-            "",
-            "| strategy | holders run by | processes | holders | held at once | lock sessions"
-            " | advisory locks on them | backends' private memory (RssAnon) | their RSS |"
-            " seconds to all held | sessions left after |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for run in figures.holders:
-            head = f"| {run.strategy} | `{run.how}` | {run.processes} | {run.holders:,} |"
-            if run.note == NOT_AVAILABLE:
-                lines.append(f"{head} {NOT_AVAILABLE} |" + " |" * 6)
-                continue
-            lines.append(
-                f"{head} {run.held:,} | {run.sessions:,} | {run.locks:,} | {_mb(run.private_kb)}"
-                f" | {_mb(run.rss_kb)} | {run.seconds:.1f} | {run.left} |"
-            )
-        notes = [r for r in figures.holders if r.note and r.note != NOT_AVAILABLE]
-        reuse = holder_run(figures, "reuse", HOLDERS)
-        lines += [
-            "",
-            *(f"- {r.strategy}, {r.holders:,} holders: {r.note}." for r in notes),
-            *([""] if notes else []),
-            "With `reuse` each running call has a session, and so a backend, of its own. Private"
-            " memory is what each backend allocated for itself; RSS also counts the shared"
-            " buffers it touched, once per backend, so it overstates."
-            + (
-                f" Per `reuse` backend: {reuse.private_kb / reuse.sessions:,.0f} kB private."
-                if reuse and reuse.sessions and reuse.private_kb is not None
-                else ""
-            ),
-            "",
-        ]
-    throughput = figures.throughput
-    if throughput is not None:
-        lines += [
-            "### 7c. Lock throughput (acquire + release cycles per second)",
-            "",
-            f"Each client runs lock cycles on names of its own for {SPIN_SECONDS} s; median of"
-            f" {SPIN_ROUNDS} rounds that rotate the order of the methods. pgbench is the"
-            " server's own limit on this machine: no Python, prepared statements.",
-            "",
-            "| method | " + " | ".join(f"{n} client{'s' if n > 1 else ''}" for n in CLIENTS) + " |",
-            "| --- | " + " | ".join("---:" for _ in CLIENTS) + " |",
-        ]
-        for method in (PGBENCH, REUSE_CYCLES, SHARED_CYCLES):
-            if method in throughput.notes:
-                lines.append(
-                    f"| {method} | {throughput.notes[method]} |" + " |" * (len(CLIENTS) - 1)
-                )
-                continue
-            cells = " | ".join(
-                f"{rate:,.0f}" if (rate := throughput.rates.get((method, n))) else "-"
-                for n in CLIENTS
-            )
-            lines.append(f"| {method} | {cells} |")
-        lines += [
-            "",
-            "Clients, Postgres and the other work on this machine share its 2 cores: past 2"
-            " clients the figures measure CPU per cycle (client plus server), not waiting.",
-            "",
-        ]
-    lines += ["![scale](bench/scale.png)", ""]
-    return lines
-
-
-def shared_config_missing(flat: FlatFigures) -> bool:
-    return not any(strategy == "shared" for (_, strategy, _) in flat.p50)
-
-
-def chart(figures: ScaleFigures, path: Path) -> None:
-    """One panel per part measured: costs against locks, sessions and memory, throughput."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    measured = [r for r in figures.holders if r.note != NOT_AVAILABLE and r.held]
-    panels = [
-        draw
-        for draw, present in (
-            (_chart_flat, figures.flat is not None),
-            (_chart_holders, bool(measured)),
-            (_chart_throughput, figures.throughput is not None),
-        )
-        if present
-    ]
-    if not panels:
-        return
-    figure, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), squeeze=False)
-    for draw, axis in zip(panels, axes[0], strict=True):
-        draw(figures, axis)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
-def _chart_flat(figures: ScaleFigures, axis: Any) -> None:
-    flat = figures.flat
-    assert flat is not None
-    for operation, strategy in dict.fromkeys((o, s) for (o, s, _) in flat.p50):
-        values = [flat.p50[(operation, strategy, level)] * 1000 for level in LEVELS]
-        axis.plot(LEVELS, values, marker="o", label=f"{operation} ({strategy})")
-    axis.set_yscale("log")
-    axis.set_xlabel("advisory locks held by other sessions")
-    axis.set_ylabel("p50, ms (log)")
-    axis.set_xticks(LEVELS, [f"{level:,}" for level in LEVELS])
-    axis.legend(fontsize=8)
-    axis.set_title("cost against the number of locks on the server")
-
-
-def _chart_holders(figures: ScaleFigures, axis: Any) -> None:
-    runs = [r for r in figures.holders if r.note != NOT_AVAILABLE and r.held]
-    labels = [f"{r.strategy}\n{r.held:,} held\n{r.processes} process(es)" for r in runs]
-    places = range(len(runs))
-    axis.bar([p - 0.2 for p in places], [r.sessions for r in runs], 0.4, label="lock sessions")
-    axis.bar(
-        [p + 0.2 for p in places],
-        [(r.private_kb or 0) / 1024 for r in runs],
-        0.4,
-        label="backends' private memory, MB",
-    )
-    axis.set_yscale("log")
-    axis.set_xticks(list(places), labels, fontsize=8)
-    axis.legend(fontsize=8)
-    axis.set_title("concurrent holders: sessions and server memory (log)")
-
-
-def _chart_throughput(figures: ScaleFigures, axis: Any) -> None:
-    throughput = figures.throughput
-    assert throughput is not None
-    for method in (PGBENCH, REUSE_CYCLES, SHARED_CYCLES):
-        shown = [(n, r) for n in CLIENTS if (r := throughput.rates.get((method, n)))]
-        if shown:
-            axis.plot(*zip(*shown, strict=True), marker="o", label=method)
-    axis.set_xscale("log", base=2)
-    axis.set_xticks(CLIENTS, [str(n) for n in CLIENTS])
-    axis.set_xlabel("clients")
-    axis.set_ylabel("lock cycles per second")
-    axis.legend(fontsize=8)
-    axis.set_title("lock throughput")
-
-
-@contextlib.contextmanager
-def _services(args: argparse.Namespace, work: Path) -> Iterator[tuple[str, str]]:
-    with contextlib.ExitStack() as stack:
-        dsn = args.dsn or stack.enter_context(bench_postgres(work / "pg"))
-        broker = stack.enter_context(redis_service(work / "redis", "PGLOCK_BENCH_BROKER"))
-        os.environ["PGLOCK_BENCH_BROKER"] = broker
-        yield dsn, broker
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.scale", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--dsn", help="the database (default: PGLOCK_BENCH_DSN, else its own)")
-    parser.add_argument("--only", default="flat,holders,throughput", help="parts to run")
-    parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
-    args = parser.parse_args(argv)
-    parts = tuple(part.strip() for part in args.only.split(","))
-    work = Path(tempfile.mkdtemp(prefix="pglock-bench-"))
-    with _services(args, work) as (dsn, broker):
-        figures = measure(dsn, broker, work, parts)
-    lines = render(figures)
-    print("\n".join(lines))
-    note = (
-        f"Measured alone by `python -m bench.scale --only {','.join(parts)}` on"
-        f" {dt.date.today()} in {figures.elapsed:.0f} s."
-    )
-    write_section(Path(args.out), lines, note)
-    chart(figures, ROOT / "bench" / "scale.png")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.main([sys.modules[__name__]], "python -m bench.scale", TITLE))
