@@ -31,6 +31,7 @@ class Fleet(Protocol):
 
     def replica_of(self, pid: int | None) -> str | None: ...
 
+
 MAX_TENANT_ROWS = 25
 
 
