@@ -143,6 +143,40 @@ def strategies(dsn: str) -> tuple[str, ...]:
     return ("reuse", "shared", "connect") if shared_config(dsn) else ("reuse", "connect")
 
 
+def server_pid(dsn: str) -> int | None:
+    """The Postgres server's main process, when it runs on this machine."""
+    import psutil
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        backend = conn.info.backend_pid
+    try:
+        parent = psutil.Process(backend).parent()
+    except psutil.Error:
+        return None
+    return parent.pid if parent is not None and "postgres" in parent.name() else None
+
+
+def server_cpu_ns(pid: int | None) -> int:
+    """CPU nanoseconds the server's processes (live backends included) have run so far.
+
+    From /proc/<pid>/schedstat (nanoseconds, where /proc/<pid>/stat counts clock
+    ticks); 0 for a server not on this machine.
+    """
+    import psutil
+
+    if pid is None:
+        return 0
+    total = 0
+    try:
+        processes = [pid, *(child.pid for child in psutil.Process(pid).children())]
+    except psutil.Error:
+        return 0
+    for found in processes:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += int(Path(f"/proc/{found}/schedstat").read_text().split()[0])
+    return total
+
+
 def timed(once: Callable[[], object], count: int) -> list[float]:
     """Seconds of each of ``count`` calls of ``once``."""
     samples = []

@@ -20,13 +20,21 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 import redis
 
 from bench import cli
-from bench.common import Context, close_sessions, shared_config, strategies
+from bench.common import (
+    Context,
+    close_sessions,
+    server_cpu_ns,
+    server_pid,
+    shared_config,
+    strategies,
+)
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
 
@@ -161,35 +169,57 @@ def methods(dsn: str) -> dict[str, Method]:
 ROUNDS = 20
 
 
-def measure_cycles(dsn: str, broker: str, count: int) -> dict[str, list[float]]:
+@dataclass
+class Cycles:
+    """Seconds per cycle of each method; with ``server``, the CPU each cycle took."""
+
+    samples: dict[str, list[float]]
+    #: Per method, CPU seconds of this process and of the server over the timed cycles.
+    client_cpu: dict[str, float] = field(default_factory=dict)
+    server_cpu: dict[str, float] = field(default_factory=dict)
+
+
+def measure_cycles(dsn: str, broker: str, count: int, server: int | None = None) -> Cycles:
     """``count`` cycles of every method, in interleaved rounds; seconds per cycle.
 
     Each round opens every method's connections afresh, and its first cycles are
     not counted: on a small machine the latency of a connection depends on which
     core its server process lands on, and new connections each round spread that
-    luck over all methods alike.
+    luck over all methods alike. With ``server`` (the Postgres server's pid), the
+    CPU this process and the server spent on the timed cycles is added up, read
+    around each method's cycles of a round (outside the per-cycle timings).
     """
     chosen = methods(dsn)
-    samples: dict[str, list[float]] = {key: [] for key in chosen}
+    found = Cycles({key: [] for key in chosen})
     per_round = max(1, count // ROUNDS)
     for round_number in range(ROUNDS):
         for key, factory in chosen.items():
             once, close = factory(dsn, broker)
+            samples = found.samples[key]
             try:
                 for i in range(5):  # connect, fill caches, prepare plans: not counted
                     once(-i - 1)
+                if server is not None:
+                    # The server's first: reading it costs this process CPU.
+                    server_before = server_cpu_ns(server)
+                    client_before = time.process_time()
                 for i in range(per_round):
                     index = round_number * per_round + i
                     began = time.perf_counter()
                     once(index)
-                    samples[key].append(time.perf_counter() - began)
+                    samples.append(time.perf_counter() - began)
+                if server is not None:
+                    client = time.process_time() - client_before
+                    found.client_cpu[key] = found.client_cpu.get(key, 0.0) + client
+                    spent = (server_cpu_ns(server) - server_before) / 1e9
+                    found.server_cpu[key] = found.server_cpu.get(key, 0.0) + spent
             finally:
                 close()
-    return samples
+    return found
 
 
 def _client(args: tuple[str, str, int]) -> dict[str, list[float]]:
-    return measure_cycles(*args)
+    return measure_cycles(*args).samples
 
 
 def p50_ms(samples: list[float]) -> float:
@@ -214,7 +244,8 @@ def measure(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
             " (name text PRIMARY KEY, holder text NOT NULL, expires timestamptz NOT NULL)"
         )
     try:
-        single = measure_cycles(dsn, broker, count)
+        cycles = measure_cycles(dsn, broker, count, server_pid(dsn))
+        single = cycles.samples
         with multiprocessing.get_context("spawn").Pool(clients) as pool:
             many = pool.map(_client, [(dsn, broker, count // 4)] * clients)
     finally:
@@ -232,6 +263,10 @@ def measure(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
             "p50_ms_clients": p50_ms(together),
             "p99_ms_clients": p99_ms(together),
         }
+        if key in cycles.client_cpu:
+            timed_cycles = len(single[key])
+            row["client_cpu_us"] = cycles.client_cpu[key] * 1e6 / timed_cycles
+            row["server_cpu_us"] = cycles.server_cpu[key] * 1e6 / timed_cycles
         rows.append(row)
         print(
             f"  {LABELS[key]}: p50 {row['p50_ms']:.3f} ms;"

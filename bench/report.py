@@ -141,14 +141,28 @@ def lock_release_target(latency: Data | None) -> Target:
     rounds = rounds_ratio(latency, "reuse", "hand")
     spread = f"; rounds {rounds[0]:.2f}x to {rounds[-1]:.2f}x" if rounds else ""
     why = (
-        f"over by {(ratio / HAND_BOUND - 1):.0%} of the bound: the library adds {extra_us:+.0f} us"
-        f" per cycle to the pair's {hand['p50_ms'] * 1000:.0f} us. Its two statements do more"
-        " than the pair's (the lock is taken twice, for the O(1) held check; the session's"
-        " token and `pglock.held` are checked, the session named and the key recorded; the"
-        " release frees both counts and clears both settings) and its Python around them"
-        " (the idle session's socket peek, the hold registered with the loss monitor) runs on"
-        " the same two cores as the server"
+        f"over by {(ratio / HAND_BOUND - 1):.0%} of the bound: the library adds"
+        f" {extra_us:+.0f} us per cycle to the pair's {hand['p50_ms'] * 1000:.0f} us"
     )
+    if "client_cpu_us" in reuse and "client_cpu_us" in hand:
+        cpu = reuse["client_cpu_us"] + reuse["server_cpu_us"]
+        cpu_hand = hand["client_cpu_us"] + hand["server_cpu_us"]
+        why += (
+            f". CPU per cycle, library against the pair: {reuse['client_cpu_us']:.0f} vs"
+            f" {hand['client_cpu_us']:.0f} us in the client, {reuse['server_cpu_us']:.0f} vs"
+            f" {hand['server_cpu_us']:.0f} us in the server, {cpu - cpu_hand:+.0f} us in all"
+            " (section 1), on two cores that the client, the server and this machine's other"
+            " work share, where CPU is latency"
+        )
+    why += (
+        ". The library's two statements do more than the pair's (the lock is taken twice, for"
+        " the O(1) held check; the session's token and `pglock.held` are checked, the session"
+        " named and the key recorded; the release frees both counts and clears both settings),"
+        " and its Python does more around them (the idle session's socket peek, the hold"
+        " registered with the loss monitor)"
+    )
+    if rounds:
+        why += f"; round by round the ratio ran from {rounds[0]:.2f}x to {rounds[-1]:.2f}x"
     return Target(
         what,
         "issue 17",
@@ -366,25 +380,37 @@ def render_before_after(data: dict[str, Data | None]) -> list[str]:
 
 def render_latency(d: Data) -> list[str]:
     clients = d["clients"]
+    cpu = all("client_cpu_us" in row for row in d["methods"])
     lines = [
         f"## 1. Acquire + release, uncontended ({d['count']} cycles single, "
         f"{clients} clients x {d['per_client']})",
         "",
-        f"| method | p50 ms | p99 ms | p50 ms, {clients} clients | p99 ms, {clients} clients |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        f"| method | p50 ms | p99 ms | p50 ms, {clients} clients | p99 ms, {clients} clients |"
+        + (" client CPU us/cycle | Postgres CPU us/cycle |" if cpu else ""),
+        "| --- | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if cpu else ""),
     ]
     for row in d["methods"]:
         lines.append(
             f"| {row['label']} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} |"
             f" {row['p50_ms_clients']:.3f} | {row['p99_ms_clients']:.3f} |"
+            + (f" {row['client_cpu_us']:.0f} | {row['server_cpu_us']:.0f} |" if cpu else "")
         )
     if latency_row(d, "shared") is None:
-        lines.append(f"| advisory, pglock shared | {NOT_AVAILABLE} | | | |")
+        lines.append(
+            f"| advisory, pglock shared | {NOT_AVAILABLE} | | | |" + (" | |" if cpu else "")
+        )
     floor, reuse = latency_row(d, "floor"), latency_row(d, "reuse")
     hand, lease = latency_row(d, "hand"), latency_row(d, "lease")
     text = (
         f"Measured in {d['rounds']} interleaved rounds (each round opens every method's"
-        " connections afresh and runs every method in turn). The floor is two `SELECT 1`"
+        " connections afresh and runs every method in turn)"
+        + (
+            "; the CPU columns are the single client's: this process's CPU and the whole"
+            " Postgres server's (/proc schedstat) over the timed cycles, per cycle"
+            if cpu
+            else ""
+        )
+        + ". The floor is two `SELECT 1`"
         " round trips on an open connection. A lock cycle is two round trips too: the lock,"
         " then its release's unlock, each waited for; a release returns only once the server"
         " has freed the lock, so any other session can take it at once."

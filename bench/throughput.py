@@ -22,10 +22,9 @@ import uuid
 from typing import Any
 
 import psutil
-import psycopg
 
 from bench import cli
-from bench.common import Context, strategies
+from bench.common import Context, server_pid, strategies
 from bench.workers import worker
 
 NAME, SECTION, TITLE = "throughput", "2", "Celery throughput"
@@ -68,17 +67,6 @@ def cpu_seconds(pid: int | None) -> float:
         return total
     except psutil.Error:
         return 0.0
-
-
-def server_pid(dsn: str) -> int | None:
-    """The Postgres server's main process, when it runs on this machine."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        backend = conn.info.backend_pid
-    try:
-        parent = psutil.Process(backend).parent()
-    except psutil.Error:
-        return None
-    return parent.pid if parent is not None and "postgres" in parent.name() else None
 
 
 def worker_pid(queue: str) -> int | None:
