@@ -197,7 +197,11 @@ def test_a_loss_is_found_while_the_body_keeps_its_connection_busy(
 def test_once_the_monitor_finds_the_lock_gone_no_write_commits(
     eager_app: Celery, pg_dsn: str, table: str, run_id: str
 ) -> None:
-    """The monitor ends the session it found without the lock; later writes fail."""
+    """The monitor ends the session it found without the lock; later writes fail.
+
+    The body goes on after the loss (pglock_on_lost = raise) to show that its writes fail.
+    """
+    eager_app.conf.pglock_on_lost = "raise"
     seen: dict[str, Any] = {}
 
     @eager_app.task(base=TenantLockedTask, lock_name="m:{tenant}", shared=False)

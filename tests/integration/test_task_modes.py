@@ -58,6 +58,10 @@ def eager_app(pg_dsn: str) -> Celery:
 def test_a_statement_that_fails_on_a_lost_session_fails_the_call_with_lock_lost(
     eager_app: Celery, pg_dsn: str, run_id: str
 ) -> None:
+    """With pglock_on_lost = raise, the body's failed statement on the lost session becomes
+    LockLost (under the default, interrupt, the loss may reach the body first)."""
+    eager_app.conf.pglock_on_lost = "raise"
+
     @eager_app.task(base=TenantLockedTask, lock_name="t:{tenant}", shared=False)
     def step(tenant: str) -> None:
         lock = current_lock()

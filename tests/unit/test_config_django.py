@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import django
 import pytest
 from celery import Celery
@@ -12,15 +14,20 @@ from pglock_celery import ConfigurationError
 from pglock_celery.config import get_config
 
 
-@pytest.fixture(scope="module")
-def django_app() -> Celery:
-    """The app of a Django project, as Celery's Django guide sets it up."""
+@pytest.fixture
+def django_app() -> Iterator[Celery]:
+    """The app of a Django project, as Celery's Django guide sets it up.
+
+    Django is configured once per process (another module may have done it first):
+    the project's own settings are applied with override_settings.
+    """
     if not settings.configured:
-        settings.configure(CELERY_BROKER_URL="memory://", CELERY_PGLOCK_CHECK_INTERVAL=3)
+        settings.configure()
         django.setup()
-    app = Celery("django_project", set_as_current=False)
-    app.config_from_object("django.conf:settings", namespace="CELERY")
-    return app
+    with override_settings(CELERY_BROKER_URL="memory://", CELERY_PGLOCK_CHECK_INTERVAL=3):
+        app = Celery("django_project", set_as_current=False)
+        app.config_from_object("django.conf:settings", namespace="CELERY")
+        yield app
 
 
 def test_override_settings_counts_at_the_next_call(
