@@ -239,6 +239,48 @@ def recovery_target(recovery: Data | None) -> Target:
     )
 
 
+GUARD_BOUND = 1.3
+
+
+def guard_targets(guard: Data | None) -> list[Target]:
+    """Issue 10's: a guarded write within 1.3x an unguarded one, and flat in foreign locks."""
+    within = f"Guarded one-row `UPDATE`, library holder: <= {GUARD_BOUND}x unguarded"
+    flat = f"Guarded one-row `UPDATE` with 10,000 foreign locks: flat (<= {FLAT_BOUND}x with none)"
+    if guard is None:
+        return [Target(within, "issue 10", "-", None), Target(flat, "issue 10", "-", None)]
+    locks, names = guard["foreign_locks"], guard["writers"]
+    one = {(r["writer"], r["locks"]): r["seconds"] * 1e6 for r in guard["one_row"]}
+    guarded = {level: one[(names["guarded"], level)] for level in (0, locks)}
+    unguarded = {level: one[(names["unguarded"], level)] for level in (0, locks)}
+    ratios = {level: guarded[level] / unguarded[level] for level in (0, locks)}
+    added = {level: guarded[level] - unguarded[level] for level in (0, locks)}
+    level = max(ratios, key=lambda found: ratios[found])
+    worst = ratios[level]
+    flat_ratio = guarded[locks] / guarded[0]
+    return [
+        Target(
+            within,
+            "issue 10",
+            f"{ratios[0]:.2f}x with no foreign lock ({guarded[0]:.0f} vs {unguarded[0]:.0f} us),"
+            f" {ratios[locks]:.2f}x with {locks:,}",
+            worst <= GUARD_BOUND,
+            f"the guard adds {added[0]:.0f} us ({added[locks]:.0f} us with {locks:,} foreign"
+            " locks) to a one-row `UPDATE` (its trigger builds the row's lock name, hashes it,"
+            " reads one setting and takes a shared transaction lock), a cost that does not grow"
+            f" with the locks; against an unguarded `UPDATE` of only {unguarded[level]:.0f} us"
+            f" on this loopback that is {worst:.2f}x (issue 10 measured +76 us against 451 us:"
+            " 1.17x)",
+        ),
+        Target(
+            flat,
+            "issue 10",
+            f"{guarded[locks]:.0f} us vs {guarded[0]:.0f} us: {flat_ratio:.2f}x",
+            flat_ratio <= FLAT_BOUND,
+            "see section 6",
+        ),
+    ]
+
+
 def targets(data: dict[str, Data | None]) -> list[Target]:
     """The targets that hold after the redesign, each from the stored figures."""
     return [
@@ -246,6 +288,7 @@ def targets(data: dict[str, Data | None]) -> list[Target]:
         *flat_targets(data["scale"]),
         *session_targets(data["scale"]),
         recovery_target(data["recovery"]),
+        *guard_targets(data["guard"]),
     ]
 
 
@@ -600,11 +643,12 @@ def render_guard(d: Data) -> list[str]:
     lines += [
         "",
         f"Guarded against unguarded: {ratio0:.2f}x with no foreign lock, {ratio_most:.2f}x with"
-        f" {locks:,} (target: within 1.3x); the guarded write with {locks:,} foreign locks"
-        f" against none: {flat:.2f}x (target: flat). A library holder is recognised from its"
-        " session's `pglock.held` setting and a `pg_try_advisory_xact_lock_shared` on the row's"
-        " key, never from `pg_locks`. A hand-rolled holder's check reads `pg_locks` (a copy of"
-        f" the server's whole lock table): {hand_ratio:.2f}x slower with {locks:,} foreign"
+        f" {locks:,} (target: within {GUARD_BOUND}x); the guarded write with {locks:,} foreign"
+        f" locks against none: {flat:.2f}x (target: flat; both at the top). A library holder"
+        " is recognised from its session's `pglock.held` setting and a"
+        " `pg_try_advisory_xact_lock_shared` on the row's key, never from `pg_locks`. A"
+        " hand-rolled holder's check reads `pg_locks` (a copy of the server's whole lock table)"
+        f": {hand_ratio:.2f}x slower with {locks:,} foreign"
         " locks than with none.",
         "",
         f"The trigger's own cost, from a {d['wide_rows']:,}-row `UPDATE` of one tenant's rows"

@@ -162,3 +162,18 @@ def test_a_section_measured_apart_from_the_whole_run_says_so(tmp_path: Path) -> 
     assert "Measured apart by `python -m bench.guard` on 2026-12-01" in guard_section
     recovery_section = page.split("## 3.")[1].split("## 4.")[0]
     assert "Measured apart" not in recovery_section
+
+
+def test_a_guarded_write_beyond_1_3x_unguarded_is_missed_with_the_guards_cost() -> None:
+    data = guard()
+    for row in data["one_row"]:
+        row["seconds"] = {"u": 100e-6, "g": 150e-6, "h": 900e-6}[row["writer"]]
+    within, flat = report.guard_targets(data)
+    assert within.met is False
+    assert "1.50x with no foreign lock (150 vs 100 us)" in within.measured
+    assert "the guard adds 50 us" in within.row()
+    assert flat.met is True
+
+
+def test_a_guarded_write_within_1_3x_and_flat_meets_both_targets() -> None:
+    assert [t.met for t in report.guard_targets(guard())] == [True, True]
