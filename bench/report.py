@@ -33,6 +33,8 @@ QUESTIONS = (
     ("scale", "7"),
 )
 BEFORE = "before"
+#: The parts of section 7, each measured by ``bench.scale --scale <part>``.
+SCALE_PARTS = ("flat", "holders", "throughput")
 #: Issue 17's bound on the library's lock+release against the hand-rolled pair.
 HAND_BOUND = 1.15
 FLAT_BOUND = 1.5
@@ -885,6 +887,14 @@ def render(data: dict[str, Data | None]) -> str:
             continue
         lines = RENDERERS[name](found)
         note = section_note(found.get("meta", {}), run) if found.get("meta") else None
+        if name == "scale":
+            measured = found.get("parts_measured", SCALE_PARTS)
+            kept = [part for part in SCALE_PARTS if found.get(part) and part not in measured]
+            if kept:
+                note = (note + " " if note else "") + (
+                    f"Its last run measured {', '.join(measured)} only; {', '.join(kept)}"
+                    " from an earlier run."
+                )
         text += [*lines[:1], "", note, *lines[1:]] if note else lines
     if data["latency"] is not None and data["throughput"] is not None:
         text += ["![chart](bench/chart.png)", ""]

@@ -177,3 +177,15 @@ def test_a_guarded_write_beyond_1_3x_unguarded_is_missed_with_the_guards_cost() 
 
 def test_a_guarded_write_within_1_3x_and_flat_meets_both_targets() -> None:
     assert [t.met for t in report.guard_targets(guard())] == [True, True]
+
+
+def test_a_scale_part_kept_from_an_earlier_run_says_so(tmp_path: Path) -> None:
+    scale = {
+        "meta": meta(),
+        "flat": None,
+        "holders": {"holders": 1000, "runs": []},
+        "throughput": None,
+        "parts_measured": ["flat"],
+    }
+    page = report.render(report.load_all(write(tmp_path / "results", scale=scale)))
+    assert "Its last run measured flat only; holders from an earlier run." in page
