@@ -62,11 +62,16 @@ lint: $(STAMP)
 # process's next locks), the redelivered copy's holder report (a shared session names no
 # lock).
 NOT_UNDER_SHARED := not redis_restart and not second_call_wait and not no_free_connection_slot and not redelivered_copy_skips
+# Files run side by side in PARALLEL processes (pytest-xdist, one file per process at a
+# time): each process works in a Postgres and a Redis database of its own, as two runs
+# on one machine do. The Patroni failover scenarios run last, alone (about 5 minutes).
+PARALLEL ?= 3
+XDIST := -n $(PARALLEL) --dist loadfile
 test: lint matrix
-	$(PY) -m pytest tests
-	PGLOCK_STRATEGY=connect $(PY) -m pytest tests/integration/test_lock.py \
+	$(PY) -m pytest $(XDIST) tests
+	PGLOCK_STRATEGY=connect $(PY) -m pytest $(XDIST) tests/integration/test_lock.py \
 		tests/integration/test_workers.py tests/integration/test_fail_closed.py tests/chaos/test_faults.py
-	PGLOCK_STRATEGY=shared $(PY) -m pytest tests/integration/test_workers.py \
+	PGLOCK_STRATEGY=shared $(PY) -m pytest $(XDIST) tests/integration/test_workers.py \
 		tests/integration/test_fail_closed.py tests/chaos/test_faults.py -k '$(NOT_UNDER_SHARED)'
 
 # The oldest Celery the metadata allows (the main venv has the newest): unit tests, the

@@ -139,6 +139,8 @@ def test_a_terminated_wait_fails_at_once_and_waits_nowhere_else(pg_dsn: str, run
         assert time.monotonic() - ended < 2
         waiters = holder.execute(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            " AND objid = (%s::int8 & 4294967295)::oid",
+            (lock_key(name),),
         ).fetchone()
         assert waiters == (0,)
 
