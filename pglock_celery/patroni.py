@@ -98,6 +98,7 @@ import dataclasses
 import datetime
 import email.utils
 import json
+import math
 import threading
 import time
 import urllib.error
@@ -237,7 +238,8 @@ class Timing:
             value = float(raw)
             if not value > 0:
                 raise ValueError(f"{key} in the dynamic configuration is not positive")
-            values[key] = value
+            # The etcd lease gets int(ttl) seconds (AbstractEtcd.set_ttl, dcs/etcd.py).
+            values[key] = float(math.floor(value)) if key == "ttl" else value
         return cls(**values)
 
     @property

@@ -4,7 +4,8 @@ Each scenario starts a 3-member Patroni + etcd cluster of its own (ttl 20 s, loo
 2 s, retry_timeout 4 s, synchronous_mode and synchronous_mode_strict), guards a table,
 and starts CLIENTS client processes (tests/failover/client.py: the public API only)
 whose multi-host DSNs list the members in every order with
-target_session_attrs=read-write. Once every client has written, the event strikes the
+target_session_attrs=read-write; half of them open a session per lock (strategy
+connect), half reuse theirs. Once every client has written, the event strikes the
 primary; the clients run on until locks are granted again and the cluster has settled.
 Then, from every client's records (CLOCK_MONOTONIC, one clock for all):
 
@@ -233,6 +234,9 @@ def clients(cluster: PatroniCluster, dsn_db: str, base: Path) -> Iterator[list[P
             out = base / f"client-{client}.jsonl"
             outs.append(out)
             dsn = cluster.dsn(next(orders), dbname=dsn_db)
+            # Half the clients open a session per lock (a new session goes to the first
+            # host of its list that accepts writes), half reuse their sessions.
+            env["PGLOCK_STRATEGY"] = "connect" if client % 2 == 0 else "reuse"
             with (base / f"client-{client}.log").open("wb") as log:
                 procs.append(
                     subprocess.Popen(
@@ -247,7 +251,7 @@ def clients(cluster: PatroniCluster, dsn_db: str, base: Path) -> Iterator[list[P
                             *NAMES,
                         ],
                         cwd=ROOT,
-                        env=env,
+                        env=dict(env),
                         stdout=log,
                         stderr=subprocess.STDOUT,
                     )

@@ -111,6 +111,7 @@ def test_the_window_is_ttl_less_loop_wait_less_the_longer_of_retry_and_stale_rea
 def test_patronis_defaults_fill_in_absent_keys_and_nonsense_is_refused() -> None:
     assert Timing.from_config({}) == Timing(30, 10, 10)
     assert Timing.from_config({"ttl": "20", "loop_wait": 2}) == Timing(20, 2, 10)
+    assert Timing.from_config({"ttl": 20.9}).ttl == 20  # the lease gets int(ttl)
     for bad in ({"ttl": 0}, {"ttl": True}, {"loop_wait": [2]}, []):
         with pytest.raises(ValueError):
             Timing.from_config(bad)
