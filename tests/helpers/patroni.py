@@ -195,8 +195,8 @@ class Member:
     def status(self, path: str = "/patroni", timeout: float = 2.0) -> tuple[int, Any]:
         return get_json(self.api_url + path, timeout)
 
-    def is_leader(self) -> bool:
-        return self.status("/leader")[0] == 200
+    def is_leader(self, timeout: float = 2.0) -> bool:
+        return self.status("/leader", timeout)[0] == 200
 
 
 class PatroniCluster:
@@ -399,10 +399,10 @@ class PatroniCluster:
 
     # -- what the tests look at -----------------------------------------------------
 
-    def leader(self) -> Member | None:
+    def leader(self, timeout: float = 2.0) -> Member | None:
         """The member whose REST API says it holds the leader key, if exactly one does."""
         with concurrent.futures.ThreadPoolExecutor(len(self.members)) as pool:
-            answers = list(pool.map(lambda m: m.is_leader(), self.members))
+            answers = list(pool.map(lambda m: m.is_leader(timeout), self.members))
         leaders = [m for m, yes in zip(self.members, answers, strict=True) if yes]
         return leaders[0] if len(leaders) == 1 else None
 
