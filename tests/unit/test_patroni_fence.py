@@ -251,12 +251,12 @@ def test_the_configuration_is_read_again_once_older_than_its_max_age(
 ) -> None:
     now = [1000.0]
     fence = LeaderFence([members[0].url], config_max_age=5.0, clock=lambda: now[0])
-    assert fence.confirm(SERVER).until == 1000.0 + 12.0
+    assert fence.confirm(SERVER).until == 1000.0 + 11.0
     members[0].config = {"ttl": 30, "loop_wait": 2, "retry_timeout": 4}
     now[0] += 4.0
-    assert fence.confirm(SERVER, fresh_for=20).until == 1004.0 + 12.0  # cached timing
+    assert fence.confirm(SERVER, fresh_for=20).until == 1004.0 + 11.0  # cached timing
     now[0] += 2.0
-    assert fence.confirm(SERVER, fresh_for=20).until == 1006.0 + 22.0
+    assert fence.confirm(SERVER, fresh_for=20).until == 1006.0 + 21.0
     assert members[0].requests.count("/config") == 2
 
 
