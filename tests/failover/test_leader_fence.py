@@ -76,15 +76,19 @@ def test_a_longer_ttl_in_patronis_configuration_widens_the_window(
     server = identity(leader_of(patroni))
     patroni.patch_config({"ttl": 30})
     try:
-        wait_until(
-            lambda: fence.confirm(server).leader and fence.timing().ttl == 30,  # type: ignore[union-attr]
-            30,
-            "the fence to read ttl 30",
-        )
-        sent = time.monotonic()
-        verdict = fence.confirm(server, fresh_for=30)
-        assert verdict.leader, verdict.reason
-        assert verdict.until >= sent + 30 - 2 - 5 - fence.margin
+
+        def widened() -> bool:
+            sent = time.monotonic()
+            verdict = fence.confirm(server, fresh_for=30)
+            timing = fence.timing()
+            return (
+                verdict.leader
+                and timing is not None
+                and timing.ttl == 30
+                and verdict.until >= sent + 30 - 2 - 5 - fence.margin
+            )
+
+        wait_until(widened, 30, "a confirmation for the window of ttl 30")
     finally:
         patroni.patch_config({"ttl": 20})
     wait_until(lambda: patroni.config()["ttl"] == 20, 30, "ttl back to 20")
