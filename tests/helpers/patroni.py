@@ -101,6 +101,12 @@ def ensure_tools() -> None:
         # The system's Python: the account Patroni runs as must reach the interpreter
         # (a pyenv one under /root is out of its reach).
         python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+        has_venv = subprocess.run([python, "-c", "import ensurepip"], check=False).returncode == 0
+        if not has_venv and root and shutil.which("apt-get"):
+            env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+            subprocess.run(
+                ["apt-get", "install", "-y", "-qq", "python3-venv"], check=False, env=env
+            )
         subprocess.run([python, "-m", "venv", "--clear", str(PATRONI_VENV)], check=True)
         pip = [str(PATRONI_VENV / "bin" / "python"), "-m", "pip", "install", "--quiet"]
         subprocess.run([*pip, f"patroni[etcd3,psycopg3]=={PATRONI_VERSION}"], check=True)
