@@ -387,10 +387,15 @@ class LeaderFence:
         return cls(parse_urls(value))
 
     def confirm(self, server: ServerIdentity, *, fresh_for: float = 0.0) -> Confirmation:
-        """Is ``server`` the leader? A confirmation valid for ``fresh_for`` more seconds.
+        """Is ``server`` the leader? Reuses the last answer while valid for ``fresh_for`` s.
 
-        Returns within about 2 x ``timeout`` (one member), or 3 x when it must also read
-        the configuration or look for the member among all of them.
+        The result may confirm for less than ``fresh_for`` (or not at all): check it with
+        ``valid(for_at_least=...)``. A refusal is not kept in place of a confirmation the
+        caller still holds: that one stays valid until its ``until``. Each request waits
+        at most ``timeout`` per socket operation: usually one request (``GET /leader``),
+        two when the timing is older than ``config_max_age``; when the member running
+        ``server`` is not known yet, all members are asked at once, and ``GET /config``
+        is tried member by member.
         """
         with self._guard:
             last = self._last.get(server.started_at)
