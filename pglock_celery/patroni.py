@@ -54,20 +54,21 @@ most ``stale = loop_wait + 2`` s, measured. The confirmation holds until
 
 with ttl, loop_wait and retry_timeout read from ``GET /config`` (Patroni's dynamic
 configuration; its defaults 30/10/10 when a key is absent), re-read every
-``config_max_age`` seconds; ``margin`` (1 s) absorbs the time a cycle takes before its
+``config_max_age`` seconds; ``margin`` (2 s) absorbs the time a cycle takes before its
 renewal, a keepalive's round trip and clock-rate error. Why no member can be promoted
-before ``t0 + W``: the answer was computed at some ``t >= t0``.
-(a) If the loop was renewing on schedule, the last keepalive etcd processed came at most
-    ``loop_wait`` before the cycle that will next renew or fail; that cycle clears
-    ``is_leader()`` within ``retry_timeout`` of its start when it fails (F4). So a 200 at
-    ``t`` means a keepalive at or after ``t - loop_wait - retry_timeout - margin``, and the
-    lease outlives ``t0 + W`` (F1).
-(b) If the loop is stalled, its last DCS read is at most ``stale + 1`` s before ``t`` (F3);
-    the renewal of the previous cycle came at most ``loop_wait`` before that read (F4);
-    again the lease outlives ``t0 + W``.
+before ``t0 + W``: the answer was computed at some ``t >= t0``; let ``r`` be the last
+keepalive etcd processed for L's lease before ``t``.
+(a) The loop is keeping time: the cycle after ``r``'s began within ``loop_wait`` of
+    ``r``'s cycle and renews or fails within ``retry_timeout`` (F4), a failure clearing
+    ``is_leader()`` at once (F2). So a 200 at ``t`` means ``r >= t - loop_wait -
+    retry_timeout - margin``, and the lease outlives ``t0 + W`` (F1).
+(b) The loop is stalled (busy in one cycle): the age check (F3) refuses every answer
+    once its last read is more than ``stale + 1`` s old, so confirmations stop within
+    ``stale + 1`` s of that read; as its renewal followed the read, the lease outlives
+    ``t0 + W`` again, and a stall before the renewal is case (a) for the cycle before.
 So while a confirmation is valid, L holds the key and nobody else can be promoted (F1,
-F5). ``ttl 20, loop_wait 2, retry_timeout 4`` give W = 12 s; Patroni's defaults
-``30/10/10`` give W = 6 s. A holder on a deposed primary is told within W of its last
+F5). ``ttl 20, loop_wait 2, retry_timeout 4`` give W = 11 s; Patroni's defaults
+``30/10/10`` give W = 5 s. A holder on a deposed primary is told within W of its last
 confirmation, provided its library refreshes the confirmation before it ends and treats
 an ended one as a loss (what the lock core does with :meth:`LeaderFence.confirm`).
 
@@ -78,9 +79,13 @@ A1  Clocks tick at nearly the same rate (etcd's, the Patroni host's, this host's
     durations, each measured on a single clock.
 A2  Patroni has the fix of PR 2689 (any 3.0.3 or later; tested: 4.1.5) and uses etcd v3
     (F1 was read for it; other DCSs hold keys on sessions whose expiry differs).
-A3  Nobody calls ``GET /cluster`` on the leader's REST API often enough to hide a stalled
-    HA loop: that endpoint reads the DCS from the REST thread and refreshes
-    ``dcs_last_seen`` (api.py ``do_GET_cluster``; ``patronictl`` reads etcd directly and
+A3  The leader's HA loop does not, in one cycle, spend more than ``loop_wait + margin``
+    after its renewal and then, in the next, stall between its DCS read and its renewal
+    for longer than the margin (a stall while Postgres hangs does not count: the REST
+    answer then hangs too). Patroni warns "Loop time exceeded" when a cycle overruns.
+    And nobody calls ``GET /cluster`` on the leader's REST API often enough to hide a
+    stalled loop: that endpoint reads the DCS from the REST thread and refreshes
+    ``dcs_last_seen`` (api.py ``do_GET_cluster``; ``patronictl`` reads etcd directly, and
     HAProxy's checks and the other members' ``/patroni`` calls do not read it).
 A4  Lowering ``ttl`` (or raising ``loop_wait`` / ``retry_timeout``) takes effect for the
     fence at its next ``/config`` read: change it in steps no larger than the margin,
@@ -98,6 +103,7 @@ import dataclasses
 import datetime
 import email.utils
 import json
+import math
 import threading
 import time
 import urllib.error
@@ -239,7 +245,8 @@ class Timing:
             value = float(raw)
             if not value > 0:
                 raise ValueError(f"{key} in the dynamic configuration is not positive")
-            values[key] = value
+            # The etcd lease gets int(ttl) seconds (AbstractEtcd.set_ttl, dcs/etcd.py).
+            values[key] = float(math.floor(value)) if key == "ttl" else value
         return cls(**values)
 
     @property
@@ -358,7 +365,7 @@ class LeaderFence:
         urls: Sequence[str],
         *,
         timeout: float = 1.0,
-        margin: float = 1.0,
+        margin: float = 2.0,
         config_max_age: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -382,10 +389,15 @@ class LeaderFence:
         return cls(parse_urls(value))
 
     def confirm(self, server: ServerIdentity, *, fresh_for: float = 0.0) -> Confirmation:
-        """Is ``server`` the leader? A confirmation valid for ``fresh_for`` more seconds.
+        """Is ``server`` the leader? Reuses the last answer while valid for ``fresh_for`` s.
 
-        Returns within about 2 x ``timeout`` (one member), or 3 x when it must also read
-        the configuration or look for the member among all of them.
+        The result may confirm for less than ``fresh_for`` (or not at all): check it with
+        ``valid(for_at_least=...)``. A refusal is not kept in place of a confirmation the
+        caller still holds: that one stays valid until its ``until``. Each request waits
+        at most ``timeout`` per socket operation: usually one request (``GET /leader``),
+        two when the timing is older than ``config_max_age``; when the member running
+        ``server`` is not known yet, all members are asked at once, and ``GET /config``
+        is tried member by member.
         """
         with self._guard:
             last = self._last.get(server.started_at)

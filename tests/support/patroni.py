@@ -101,6 +101,12 @@ def ensure_tools() -> None:
         # The system's Python: the account Patroni runs as must reach the interpreter
         # (a pyenv one under /root is out of its reach).
         python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+        has_venv = subprocess.run([python, "-c", "import ensurepip"], check=False).returncode == 0
+        if not has_venv and root and shutil.which("apt-get"):
+            env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+            subprocess.run(
+                ["apt-get", "install", "-y", "-qq", "python3-venv"], check=False, env=env
+            )
         subprocess.run([python, "-m", "venv", "--clear", str(PATRONI_VENV)], check=True)
         pip = [str(PATRONI_VENV / "bin" / "python"), "-m", "pip", "install", "--quiet"]
         subprocess.run([*pip, f"patroni[etcd3,psycopg3]=={PATRONI_VERSION}"], check=True)
@@ -195,8 +201,8 @@ class Member:
     def status(self, path: str = "/patroni", timeout: float = 2.0) -> tuple[int, Any]:
         return get_json(self.api_url + path, timeout)
 
-    def is_leader(self) -> bool:
-        return self.status("/leader")[0] == 200
+    def is_leader(self, timeout: float = 2.0) -> bool:
+        return self.status("/leader", timeout)[0] == 200
 
 
 class PatroniCluster:
@@ -399,10 +405,10 @@ class PatroniCluster:
 
     # -- what the tests look at -----------------------------------------------------
 
-    def leader(self) -> Member | None:
+    def leader(self, timeout: float = 2.0) -> Member | None:
         """The member whose REST API says it holds the leader key, if exactly one does."""
         with concurrent.futures.ThreadPoolExecutor(len(self.members)) as pool:
-            answers = list(pool.map(lambda m: m.is_leader(), self.members))
+            answers = list(pool.map(lambda m: m.is_leader(timeout), self.members))
         leaders = [m for m, yes in zip(self.members, answers, strict=True) if yes]
         return leaders[0] if len(leaders) == 1 else None
 

@@ -111,6 +111,7 @@ def test_the_window_is_ttl_less_loop_wait_less_the_longer_of_retry_and_stale_rea
 def test_patronis_defaults_fill_in_absent_keys_and_nonsense_is_refused() -> None:
     assert Timing.from_config({}) == Timing(30, 10, 10)
     assert Timing.from_config({"ttl": "20", "loop_wait": 2}) == Timing(20, 2, 10)
+    assert Timing.from_config({"ttl": 20.9}).ttl == 20  # the lease gets int(ttl)
     for bad in ({"ttl": 0}, {"ttl": True}, {"loop_wait": [2]}, []):
         with pytest.raises(ValueError):
             Timing.from_config(bad)
@@ -250,12 +251,12 @@ def test_the_configuration_is_read_again_once_older_than_its_max_age(
 ) -> None:
     now = [1000.0]
     fence = LeaderFence([members[0].url], config_max_age=5.0, clock=lambda: now[0])
-    assert fence.confirm(SERVER).until == 1000.0 + 12.0
+    assert fence.confirm(SERVER).until == 1000.0 + 11.0
     members[0].config = {"ttl": 30, "loop_wait": 2, "retry_timeout": 4}
     now[0] += 4.0
-    assert fence.confirm(SERVER, fresh_for=20).until == 1004.0 + 12.0  # cached timing
+    assert fence.confirm(SERVER, fresh_for=20).until == 1004.0 + 11.0  # cached timing
     now[0] += 2.0
-    assert fence.confirm(SERVER, fresh_for=20).until == 1006.0 + 22.0
+    assert fence.confirm(SERVER, fresh_for=20).until == 1006.0 + 21.0
     assert members[0].requests.count("/config") == 2
 
 

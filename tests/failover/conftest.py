@@ -1,0 +1,54 @@
+"""A Patroni cluster per test module or test: started and stopped by the tests themselves.
+
+Where the machine cannot run one (no etcd, no Patroni venv and no way to build it), the
+tests skip, except in CI, where they fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.conftest import IN_CI
+from tests.helpers.patroni import ClusterUnavailable, PatroniCluster, ensure_tools
+
+
+def _require_tools() -> None:
+    try:
+        ensure_tools()
+    except ClusterUnavailable as exc:
+        if IN_CI:
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def patroni() -> Iterator[PatroniCluster]:
+    """A healthy 3-member cluster shared by a module's tests, stopped at its end."""
+    _require_tools()
+    cluster = PatroniCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def new_patroni() -> Iterator[Callable[[], PatroniCluster]]:
+    """Start a cluster of the test's own on demand; every one is stopped at the end."""
+    _require_tools()
+    started: list[PatroniCluster] = []
+
+    def start() -> PatroniCluster:
+        cluster = PatroniCluster()
+        started.append(cluster)
+        cluster.start()
+        return cluster
+
+    try:
+        yield start
+    finally:
+        for cluster in started:
+            cluster.stop()
