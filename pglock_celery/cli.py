@@ -93,12 +93,12 @@ def cmd_locks(args: argparse.Namespace) -> int:
             if not args.prefix or (h.name or "").startswith(args.prefix)
         ]
     if args.json:
-        rows = [{**h.as_dict(), "session_age": _age(h.backend_start, now)} for h in holders]
+        rows = [{**h.as_dict(), "age": _age(_since(h), now)} for h in holders]
         print(json.dumps(rows, indent=2))
         return 0
-    # A session's start is when its lock was taken with the connect strategy; a
-    # reused session is older than the lock it holds now.
-    columns = ("LOCK", "KEY", "HOST", "PID", "TASK ID", "CLIENT", "SESSION SINCE", "AGE", "STATE")
+    # Since when each lock is held: its grant time where its session records it (a
+    # library holder's); else the session's start, marked "~" (a bound, not the time).
+    columns = ("LOCK", "KEY", "HOST", "PID", "TASK ID", "CLIENT", "LOCKED SINCE", "AGE", "STATE")
     table = [
         (
             _shown_name(h),
@@ -107,8 +107,8 @@ def cmd_locks(args: argparse.Namespace) -> int:
             str(h.worker_pid or ""),
             h.task_id or "",
             h.client_addr or "local",
-            (h.backend_start or "")[:19].replace("T", " "),
-            _age(h.backend_start, now),
+            ("" if h.locked_at else "~") + (_since(h) or "")[:19].replace("T", " "),
+            _age(_since(h), now),
             h.state or "",
         )
         for h in holders
@@ -119,6 +119,11 @@ def cmd_locks(args: argparse.Namespace) -> int:
         print("  ".join(cells).rstrip())
     print(f"{len(holders)} advisory lock(s) held")
     return 0
+
+
+def _since(holder: Holder) -> str | None:
+    """When ``holder``'s lock was granted, or at the latest: its session's start."""
+    return holder.locked_at or holder.backend_start
 
 
 def cmd_key(args: argparse.Namespace) -> int:

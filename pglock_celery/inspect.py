@@ -56,6 +56,9 @@ class Holder:
     backend_start: str | None
     state_change: str | None
     state: str | None
+    #: When the lock was granted (ISO 8601), when its session records it; else None
+    #: (a hand-rolled or shared session: its backend_start is then the bound).
+    locked_at: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Return the holder as a JSON-serialisable dict."""
@@ -92,9 +95,10 @@ def parse_application_name(
     fields = app_name.split(FIELD_SEPARATOR, 4)
     if len(fields) < 4 or (prefix is not None and fields[0] != prefix):
         return None, False, None, None, None
-    if not fields[1].isdigit():
+    pid_field = fields[1].partition(".")[0]  # pid, or pid.T with the grant time
+    if not pid_field.isdigit():
         return None, False, None, None, None
-    pid, task_id = int(fields[1]), expand_task_id(fields[2])
+    pid, task_id = int(pid_field), expand_task_id(fields[2])
     host = fields[3] or None
     if len(fields) < 5:
         return None, False, task_id, pid, None  # cut inside the host: better unknown
@@ -106,6 +110,19 @@ def parse_application_name(
     if len(app_name.encode()) >= APPLICATION_NAME_MAX_BYTES - 4:
         return name or None, True, task_id, pid, host
     return None, False, task_id, pid, host
+
+
+def locked_at(app_name: str, backend_start: dt.datetime | None) -> dt.datetime | None:
+    """When a lock session's lock was granted: its ``backend_start`` plus the seconds its
+    application_name records (``prefix|pid.T|...``, see session.stamped); else None."""
+    fields = app_name.split(FIELD_SEPARATOR, 2)
+    if backend_start is None or len(fields) < 3:
+        return None
+    _, dot, since = fields[1].partition(".")
+    try:
+        return backend_start + dt.timedelta(seconds=int(since, 16)) if dot else None
+    except ValueError:
+        return None
 
 
 def _iso(value: dt.datetime | None) -> str | None:
@@ -132,6 +149,7 @@ def holder_from_row(row: tuple[Any, ...], prefix: str | None = None) -> Holder:
         backend_start=_iso(started),
         state_change=_iso(changed),
         state=state,
+        locked_at=_iso(locked_at(app_name or "", started)),
     )
 
 
@@ -168,7 +186,15 @@ def named_holder(key: int, name: str, row: list[bytes | None]) -> Holder:
         backend_start=text(started),
         state_change=text(changed),
         state=text(state),
+        locked_at=_iso(locked_at(app_name_text, _parsed(text(started)))),
     )
+
+
+def _parsed(value: str | None) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromisoformat(value) if value else None
+    except ValueError:
+        return None
 
 
 def holder(name_or_key: str | int, *, dsn: str | None = None) -> Holder | None:

@@ -31,6 +31,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -148,6 +149,20 @@ def compose_holder_name(
 
 #: :func:`compose_holder_name`, cached for names met again and again (a tenant's every step).
 holder_name = functools.lru_cache(maxsize=1024)(compose_holder_name)
+
+
+def stamped(app_name: str, session: LockSession) -> bytes:
+    """``app_name`` with the lock's grant time, for the server: ``prefix|pid.T|...``.
+
+    ``T`` is the whole seconds since the session opened, in hex: ``locks`` adds it to
+    the session's ``backend_start`` (pg_stat_activity), so a lock taken on a reused
+    session shows its own age. Cut again to 63 bytes: the name's tail may go.
+    """
+    prefix, _, rest = app_name.partition(FIELD_SEPARATOR)
+    pid, _, tail = rest.partition(FIELD_SEPARATOR)
+    since = int(time.time() - session.opened_at)
+    text = f"{prefix}{FIELD_SEPARATOR}{pid}.{since:x}{FIELD_SEPARATOR}{tail}"
+    return text.encode()[:APPLICATION_NAME_MAX_BYTES]
 
 
 def idle_name(prefix: str) -> str:
@@ -344,6 +359,8 @@ class LockSession:
         self.statement_deadline: float | None = None
         #: The server the session is on, for the Patroni fence (when configured).
         self.identity: ServerIdentity | None = None
+        #: When the session was opened (time.time(), just before its backend started).
+        self.opened_at = time.time()
         # How to wait for the server: psycopg's own, or one gevent or eventlet can
         # switch out of (chosen here: green libraries patch before sessions open).
         self._wait = green_wait() or waiting.wait

@@ -25,7 +25,7 @@ from .. import sql
 from ..config import PglockConfig
 from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
 from ..monitor import Hold, one_line
-from ..session import LockSession, idle_name, open_session
+from ..session import LockSession, idle_name, open_session, stamped
 from .base import REUSE, Registry, Source, fenced_transaction
 
 
@@ -92,7 +92,12 @@ class DedicatedSource(Source):
 
     def _try(self, session: LockSession, hold: Hold) -> bool:
         key = str(hold.key).encode()
-        params = (hold.application_name.encode(), b"," + key + b",", session.token.encode(), key)
+        params = (
+            stamped(hold.application_name, session),
+            b"," + key + b",",
+            session.token.encode(),
+            key,
+        )
         result = session.query(*sql.TRY, params)
         got = result.get_value(0, 0)
         backend_pid = result.get_value(0, 1)
@@ -117,7 +122,7 @@ class DedicatedSource(Source):
                 raise LockTimeout(f"lock {hold.label} not obtained {spent}") from None
             if waited.get_value(0, 0) is None:
                 raise _moved(session, hold.label, None)
-            params = (hold.application_name.encode(), b"," + key + b",", restore, key)
+            params = (stamped(hold.application_name, session), b"," + key + b",", restore, key)
             result = session.query(*sql.AFTER_WAIT, params)
         backend_pid = result.get_value(0, 0)
         if backend_pid is None or int(backend_pid) != session.backend_pid:

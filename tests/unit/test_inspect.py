@@ -80,3 +80,17 @@ def test_a_holder_without_a_task_or_from_elsewhere_is_described_by_what_is_known
     assert holder_from_row((*fields, 8, "psql", *NONE)).describe() == (
         "backend 8 (application_name 'psql')"
     )
+
+
+def test_a_stamped_application_name_gives_the_grant_time_and_its_pid() -> None:
+    import datetime as dt
+
+    from pglock_celery.inspect import locked_at
+
+    started = dt.datetime(2026, 12, 1, 10, 0, tzinfo=dt.timezone.utc)
+    app_name = f"pglock|{os.getpid()}.3c|~AAAAAAAAAAAAAAAAAAAAAA|h|tenant:1"
+    assert locked_at(app_name, started) == started + dt.timedelta(seconds=60)
+    assert parse_application_name(app_name, lock_key("tenant:1"))[3] == os.getpid()
+    assert locked_at("pglock|123|-|h|tenant:1", started) is None  # not stamped
+    assert locked_at("pglock|123.zz|-|h|tenant:1", started) is None  # not hex
+    assert locked_at("psql", started) is None
