@@ -67,12 +67,19 @@ NOT_UNDER_SHARED := not redis_restart and not second_call_wait and not no_free_c
 # on one machine do. The Patroni failover scenarios run last, alone (about 5 minutes).
 PARALLEL ?= 3
 XDIST := -n $(PARALLEL) --dist loadfile
-test: lint matrix
-	$(PY) -m pytest $(XDIST) tests
+# Patroni (its own venv), etcd and the Postgres 15 server binaries for the failover tests:
+# built when missing (tests/support/patroni.py --install; root installs the Debian parts).
+PATRONI_STAMP := .venv-patroni/.installed-stamp
+$(PATRONI_STAMP): $(STAMP) tests/support/patroni.py
+	rm -f $(PATRONI_STAMP)
+	$(PY) -m tests.support.patroni --install
+test: lint matrix $(PATRONI_STAMP)
+	$(PY) -m pytest $(XDIST) tests -m 'not failover'
 	PGLOCK_STRATEGY=connect $(PY) -m pytest $(XDIST) tests/integration/test_lock.py \
 		tests/integration/test_workers.py tests/integration/test_fail_closed.py tests/chaos/test_faults.py
 	PGLOCK_STRATEGY=shared $(PY) -m pytest $(XDIST) tests/integration/test_workers.py \
 		tests/integration/test_fail_closed.py tests/chaos/test_faults.py -k '$(NOT_UNDER_SHARED)'
+	$(PY) -m pytest -m failover tests/failover
 
 # The oldest Celery the metadata allows (the main venv has the newest): unit tests, the
 # worker tests that prove G1, G2 and the lock modes, and the celery sub-command.
@@ -117,4 +124,4 @@ docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir '$(SITE_DIR)'
 
 clean:
-	rm -rf $(VENV) $(OLDEST) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) .venv-patroni .pytest_cache .mypy_cache .ruff_cache

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.conftest import IN_CI
-from tests.helpers.patroni import ClusterUnavailable, PatroniCluster, ensure_tools
+from tests.support.patroni import ClusterUnavailable, PatroniCluster, ensure_tools
 
 
 def _require_tools() -> None:

@@ -1,4 +1,4 @@
-"""The leader fence against a real Patroni 4.1.5 + etcd cluster (tests/helpers/patroni.py)."""
+"""The leader fence against a real Patroni 4.1.5 + etcd cluster (tests/support/patroni.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 import psycopg
 
 from pglock_celery.patroni import LeaderFence, ServerIdentity, server_identity
-from tests.helpers.patroni import Member, PatroniCluster
-from tests.helpers.services import wait_until
+from tests.support.patroni import Member, PatroniCluster
+from tests.support.services import wait_until
 
 
 def identity(member: Member) -> ServerIdentity:
