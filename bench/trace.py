@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from celery import Celery
+from celery import Celery, current_app
 
 from pglock_celery import TenantLockedTask, try_lock
 
@@ -41,9 +42,17 @@ def library_calls(call: Callable[[], Any]) -> list[tuple[str, str]]:
 
 
 def warm_paths(dsn: str) -> dict[str, list[tuple[str, str]]]:
-    """The library calls of a warm lock cycle and of a warm task call on ``dsn``."""
+    """The library calls of a warm lock cycle and of a warm task call on ``dsn``.
+
+    The trace's app is the current one meanwhile (try_lock reads its settings), and
+    the one that was current is again afterwards.
+    """
+    previous = current_app._get_current_object()
     app = Celery("pglock-trace", set_as_current=True)
     app.conf.pglock_dsn = dsn
+    # Settings of its own: the process's source for them is keyed by this very config
+    # object, as an app's is in a worker (another equal config would be compared too).
+    app.conf.pglock_application_name = f"trace{uuid.uuid4().hex[:8]}"
 
     @app.task(base=TenantLockedTask, lock_name="trace:{tenant_id}", shared=False)
     def step(tenant_id: int) -> int:
@@ -57,10 +66,13 @@ def warm_paths(dsn: str) -> dict[str, list[tuple[str, str]]]:
         assert step(1) == 1
 
     paths = {}
-    for name, call in (("lock cycle", cycle), ("task call", task_call)):
-        call()
-        call()
-        paths[name] = library_calls(call)
+    try:
+        for name, call in (("lock cycle", cycle), ("task call", task_call)):
+            call()
+            call()
+            paths[name] = library_calls(call)
+    finally:
+        previous.set_current()
     return paths
 
 

@@ -48,7 +48,9 @@ def test_a_library_holder_is_reported_with_its_process_and_host(pg_dsn: str, run
         backend = held.connection.info.backend_pid
     assert found is not None
     assert (found.backend_pid, found.name, found.worker_pid) == (backend, name, os.getpid())
-    assert found.application_name.startswith(f"pglock|{os.getpid()}|")
+    # The pid field carries the grant time too: pid.T (see pglock-celery locks).
+    assert found.application_name.startswith(f"pglock|{os.getpid()}.")
+    assert found.locked_at is not None
 
 
 def test_two_long_names_sharing_their_first_60_bytes_never_get_each_others_holder(
