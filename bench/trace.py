@@ -1,6 +1,7 @@
 """Which library modules and functions one warm call crosses: a sys.setprofile trace.
 
-python -m bench.trace  (PGLOCK_DSN or a local Postgres on 127.0.0.1:5432, database test)
+python -m bench.trace [--json]  (PGLOCK_DSN, else a local Postgres on 127.0.0.1:5432, database
+test; --json: each path's distinct (module, function) pairs, for tests)
 
 Counts the Python frames of pglock_celery only (C functions, the standard library,
 psycopg and Celery are not counted): a warm ``try_lock`` cycle, and a warm
@@ -9,6 +10,7 @@ psycopg and Celery are not counted): a warm ``try_lock`` cycle, and a warm
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import uuid
@@ -78,7 +80,11 @@ def warm_paths(dsn: str) -> dict[str, list[tuple[str, str]]]:
 
 def main() -> None:
     dsn = os.environ.get("PGLOCK_DSN", DEFAULT_DSN)
-    for name, calls in warm_paths(dsn).items():
+    paths = warm_paths(dsn)
+    if "--json" in sys.argv[1:]:
+        print(json.dumps({name: sorted(set(calls)) for name, calls in paths.items()}))
+        return
+    for name, calls in paths.items():
         modules = sorted({module for module, _ in calls})
         functions = sorted(set(calls))
         print(f"{name}: {len(modules)} modules, {len(functions)} functions, {len(calls)} calls")
