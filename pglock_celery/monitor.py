@@ -25,7 +25,8 @@ a greenlet (gevent, eventlet) is thrown into by its hub; the main thread
 (prefork and solo pools) gets a signal whose handler raises; another thread
 (the threads pool) gets an asynchronous exception, which CPython raises at its
 next bytecode (not inside a blocking C call such as ``time.sleep``: it comes
-when that returns). Nothing is raised once the body has returned.
+when that returns). Nothing is sent once the body has returned (an asynchronous
+exception sent a moment before may surface as the call ends: see Body.end).
 """
 
 from __future__ import annotations
@@ -408,11 +409,15 @@ class Body:
             return True
 
     def end(self) -> None:
-        """The body returned: nothing may be raised inside it from now on."""
+        """The body returned: nothing is sent to it from now on.
+
+        An asynchronous exception sent to a pool thread a moment before is not taken
+        back: CPython 3.11 offers no safe way (SetAsyncExc with NULL leaves the
+        interpreter's pending flag set, slowing every thread's bytecode from then
+        on); it then surfaces as the call ends, which ends with LockLost.
+        """
         with self._mutex:
             self.running = False
-            if self.reason is not None and self._kind == "thread":
-                _async_raise(self._target, None)  # one not raised yet must not come later
 
     def _throw(self) -> None:
         """In the hub: throw into the body's greenlet, unless it has ended meanwhile."""
@@ -423,8 +428,8 @@ class Body:
         return LockLost(f"lock {self.label} was lost while its body ran: {self.reason}")
 
 
-def _async_raise(thread_id: int, exception: type[BaseException] | None) -> None:
-    """Have CPython raise ``exception`` in thread ``thread_id`` (None takes it back)."""
+def _async_raise(thread_id: int, exception: type[BaseException]) -> None:
+    """Have CPython raise ``exception`` in thread ``thread_id`` at its next bytecode."""
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread_id), ctypes.py_object(exception) if exception else None
+        ctypes.c_ulong(thread_id), ctypes.py_object(exception)
     )

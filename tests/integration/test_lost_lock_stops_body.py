@@ -9,6 +9,8 @@ chunks (a long C call there is documented as a limit).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -132,3 +134,52 @@ def test_a_thread_body_is_interrupted_at_its_next_bytecode() -> None:
     thread.join(5)
     assert outcome and outcome[0].startswith("interrupted")
     assert time.monotonic() - asked < 1
+
+
+AFTER_A_THREAD_INTERRUPT = """
+import sys, threading, time
+from pglock_celery import LockLost, try_lock
+from pglock_celery.monitor import Body, Monitor
+
+started, bodies = threading.Event(), []
+
+def run():
+    body = Body("stop:after", Monitor())
+    bodies.append(body)
+    body.running = True
+    started.set()
+    try:
+        while True:
+            time.sleep(0.01)
+    except LockLost:
+        pass
+    finally:
+        body.end()
+
+thread = threading.Thread(target=run)
+thread.start()
+started.wait(5)
+assert bodies[0].interrupt("the session failed")
+thread.join(5)
+sys.setprofile(lambda frame, event, arg: None)  # a profiler sees every bytecode's pace
+with try_lock(sys.argv[1], dsn=sys.argv[2]) as held:
+    assert held.acquired
+sys.setprofile(None)
+print("ran on")
+"""
+
+
+def test_the_process_runs_on_at_full_pace_after_a_thread_body_was_interrupted(
+    pg_dsn: str, run_id: str
+) -> None:
+    """Nothing of an interrupt stays behind in the interpreter (taking back an asynchronous
+    exception with NULL left CPython's pending flag set: a profiled lock then never ended)."""
+    done = subprocess.run(
+        [sys.executable, "-c", AFTER_A_THREAD_INTERRUPT, f"stop:{run_id}", pg_dsn],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("ran on")
