@@ -44,18 +44,13 @@ class DedicatedSource(Source):
         """Try first, then wait if asked: a wait starts only on a session that answered.
 
         An idle session can have been ended by the server since its last use (a
-        restart, a DBA) a moment before its socket shows it: when the try fails on
-        such a session, it held nothing, and the try goes to a new session. Once a
-        wait has started, its failure is the caller's (LockUnavailable).
+        restart, a DBA): when the try fails on such a session, it held nothing, and
+        the try goes to a new session (no socket peek first: the try is the proof,
+        and costs nothing more). Once a wait has started, its failure is the
+        caller's (LockUnavailable).
         """
-        session = None
-        while self._idle:  # an idle session the server still has (a dead one held nothing)
-            with self._mutex:
-                session = self._idle.pop() if self._idle else None
-            if session is None or session.alive():
-                break
-            self._discard(session)  # ended while idle (a restart, a DBA)
-            session = None
+        with self._mutex:
+            session = self._idle.pop() if self._idle else None
         fresh = session is None
         if session is None:
             session = self._open(hold)
