@@ -168,7 +168,6 @@ class AdvisoryLock:
         if granted and source.fence is not None:
             problem = source.leader_problem(hold.session)
             if problem is not None:  # a lock on a server that may not lead is no lock
-                hold.granted = True
                 with contextlib.suppress(PglockError):
                     source.release(hold, clean=False)
                 raise LockLost(f"lock {self.label} was granted but not valid: {problem}")
@@ -182,9 +181,10 @@ class AdvisoryLock:
     def holder(self) -> Holder | None:
         """Return who holds the lock now, asked on this lock's session.
 
-        Found by the name in the holders' application_name (pg_stat_activity,
-        never pg_locks: a skip costs the same with 10,000 locks on the server);
-        None for a holder that does not name its session.
+        Found by the name in the holders' application_name (pg_stat_activity: a
+        skip that a library holder explains costs the same with 10,000 locks on
+        the server); only when no library holder names it (a hand-rolled holder, a
+        shared session), by its key in pg_locks. None when nobody holds it.
         """
         hold = self._hold
         return self._source.holder(hold) if hold is not None else None
