@@ -86,9 +86,10 @@ def parse_application_name(
     """Split a lock session's application_name into its fields.
 
     Returns ``(name, name_truncated, task_id, worker_pid, worker_host)`` from
-    ``prefix|pid|task id|host|name`` (see connection.application_name). The
-    name is accepted only when it hashes to ``key``; a name cut by the 63-byte
-    limit comes back as the prefix that survived, with ``name_truncated``.
+    ``prefix|pid|task id|host|name`` (see session.application_name; the pid field
+    may carry the grant time, ``pid.T``). The name is accepted only when it hashes
+    to ``key``; a name cut by the 63-byte limit comes back as the prefix that
+    survived, with ``name_truncated``.
     Sessions not opened by pglock (another prefix, hand-rolled code) yield
     ``(None, False, None, None, None)``.
     """
