@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import netns
-from tests.support.ci import IN_CI
+from tests.support.ci import missing
 from tests.support.services import (
     own_database,
     own_redis_database,
@@ -67,9 +67,7 @@ def guest() -> Iterator[netns.Guest]:
     """A network namespace of the test's own; a missing capability fails in CI."""
     why = netns.available()
     if why is not None:
-        if IN_CI:
-            pytest.fail(f"a network namespace cannot be made here: {why}")
-        pytest.skip(why)
+        missing(f"a network namespace cannot be made here: {why}")
     host = netns.Guest()
     host.destroy()  # a leftover of a crashed run of ours, by the same name
     host.create()

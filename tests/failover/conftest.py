@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.conftest import IN_CI
+from tests.support.ci import missing
 from tests.support.patroni import ClusterUnavailable, PatroniCluster, ensure_tools
 
 
@@ -18,9 +18,7 @@ def _require_tools() -> None:
     try:
         ensure_tools()
     except ClusterUnavailable as exc:
-        if IN_CI:
-            pytest.fail(str(exc))
-        pytest.skip(str(exc))
+        missing(str(exc))
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from pglock_celery.sources import registry
 from tests.apps.core import app as core_app
 from tests.support.history import create_history, drop_history
 from tests.support.leftovers import leftovers
-from tests.support.services import wait_until
+from tests.support.services import EmbeddedPostgres, scalar, wait_until
 from tests.support.workers import Worker
 
 
@@ -59,6 +59,47 @@ def workers(app: Celery, worker_env: dict[str, str], log_dir: Path) -> Iterator[
     finally:
         for worker in started:
             worker.stop()
+
+
+@pytest.fixture
+def empty_cache() -> Iterator[None]:
+    """No idle or shared lock session of this process before the test and after it."""
+    registry.close()
+    yield
+    registry.close()
+
+
+@pytest.fixture
+def server_of_its_own(tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """Start a throwaway Postgres with extra ``postgresql.conf`` lines; return its DSN.
+
+    For what no shared server may be put through (a filled lock table, a crash
+    restart). This process's idle sessions go, then the server, after the test.
+    """
+    started: list[EmbeddedPostgres] = []
+
+    def start(*settings: str) -> str:
+        server = EmbeddedPostgres(tmp_path / f"pg{len(started)}")
+        started.append(server)
+        server.init(*settings)
+        server.start()
+        return server.dsn
+
+    try:
+        yield start
+    finally:
+        registry.close()
+        for server in started:
+            server.destroy()
+
+
+@pytest.fixture
+def table(pg_dsn: str, run_id: str) -> Iterator[str]:
+    """A table of the test's own, ``(v int)``, dropped after it."""
+    name = f"t_{run_id}"
+    scalar(pg_dsn, f"CREATE TABLE {name} (v int)")
+    yield name
+    scalar(pg_dsn, f"DROP TABLE {name}")
 
 
 @pytest.fixture

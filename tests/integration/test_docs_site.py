@@ -28,7 +28,7 @@ import pytest
 
 import pglock_celery
 from pglock_celery import lock_key, try_lock
-from tests.conftest import IN_CI
+from tests.support.browser import chromium
 from tests.support.services import wait_until
 from tests.unit.test_readme import recipe
 
@@ -85,23 +85,9 @@ def served(site: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Headless Debian Chromium through its chromedriver, with a fresh profile."""
-    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if binary is None or driver is None:
-        message = "Chromium and chromium-driver (Debian packages) are not installed"
-        if IN_CI:
-            pytest.fail(message + ": `make` installs them when run as root")
-        pytest.skip(message)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = binary
-    for flag in CHROMIUM_FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    chrome = webdriver.Chrome(options=options, service=Service(executable_path=driver))
+    """Headless Debian Chromium with a fresh profile, keeping the pages' console log."""
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    chrome = chromium([*CHROMIUM_FLAGS, f"--user-data-dir={profile}"], browser_log=True)
     try:
         yield chrome
     finally:

@@ -19,7 +19,7 @@ from celery import Celery
 
 from pglock_celery import LockLost, try_lock
 from tests.apps import core
-from tests.support.ci import IN_CI
+from tests.support import browser
 from tests.support.history import read_history
 from tests.support.locks import terminate
 from tests.support.services import free_port, wait_until
@@ -142,22 +142,11 @@ def test_flower_shows_a_lost_lock_as_a_failure_naming_it(
 
 
 def chromium() -> Any:
-    """Headless Debian Chromium through its chromedriver (no browser download)."""
-    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if browser is None or driver is None:
-        message = "Chromium and chromium-driver (Debian packages) are not installed"
-        if IN_CI:
-            pytest.fail(message + ": `make` installs them when run as root")
-        pytest.skip(message)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = browser
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu",
-                     "--disable-dev-shm-usage", "--window-size=1500,620"):  # fmt: skip
-        options.add_argument(argument)
-    return webdriver.Chrome(options=options, service=Service(executable_path=driver))
+    """Headless Chromium at the size the screenshots are taken."""
+    return browser.chromium(
+        ("--headless=new", "--no-sandbox", "--disable-gpu",
+         "--disable-dev-shm-usage", "--window-size=1500,620")
+    )  # fmt: skip
 
 
 def test_flowers_tasks_page_in_chromium_shows_the_skip_and_the_lost_lock(

@@ -27,14 +27,10 @@ from tests.support.locks import free_elsewhere, lock
 from tests.support.services import wait_until
 from tests.support.workers import ROOT
 
+pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across tests
+
+
 shared_lock = partial(lock, strategy="shared", check_interval=0.2)
-
-
-@pytest.fixture(autouse=True)
-def empty_cache() -> Iterator[None]:
-    registry.close()
-    yield
-    registry.close()
 
 
 @pytest.fixture

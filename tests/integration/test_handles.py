@@ -12,7 +12,6 @@ import contextlib
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import psycopg
 import pytest
@@ -22,22 +21,10 @@ from pglock_celery.sources import registry
 from tests.support.locks import finish, free_elsewhere, lock, run_bounded
 from tests.support.services import scalar
 
+pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across tests
+
+
 CHECK_INTERVAL = 0.2
-
-
-@pytest.fixture(autouse=True)
-def empty_cache() -> Iterator[None]:
-    registry.close()
-    yield
-    registry.close()
-
-
-@pytest.fixture
-def table(pg_dsn: str, run_id: str) -> Iterator[str]:
-    name = f"t_{run_id}"
-    scalar(pg_dsn, f"CREATE TABLE {name} (v int)")
-    yield name
-    scalar(pg_dsn, f"DROP TABLE {name}")
 
 
 # --- closing the handle ------------------------------------------------------------------

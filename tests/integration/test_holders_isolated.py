@@ -9,35 +9,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
 import pytest
 
 from pglock_celery import LockUnavailable, install_guard, remove_guard
-from pglock_celery.sources import registry
 from tests.support.locks import STRATEGIES, free_elsewhere, lock
-from tests.support.services import EmbeddedPostgres
 
-
-@pytest.fixture(autouse=True)
-def close_sessions() -> Iterator[None]:
-    yield
-    registry.close()
+pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across tests
 
 
 @pytest.fixture
-def tiny_lock_table(tmp_path: Path) -> Iterator[str]:
+def tiny_lock_table(server_of_its_own: Callable[..., str]) -> str:
     """A server of its own whose lock table a test may fill, with prepared transactions on."""
-    server = EmbeddedPostgres(tmp_path / "pg")
-    server.init("max_locks_per_transaction = 10", "max_prepared_transactions = 4")
-    server.start()
-    try:
-        yield server.dsn
-    finally:
-        registry.close()
-        server.destroy()
+    return server_of_its_own("max_locks_per_transaction = 10", "max_prepared_transactions = 4")
 
 
 def fill_lock_table(conn: psycopg.Connection) -> None:

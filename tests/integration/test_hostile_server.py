@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -22,28 +22,18 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pglock_celery import LockLost, LockTimeout, LockUnavailable, lock_key
 from pglock_celery.sources import registry
 from tests.support.locks import STRATEGIES, free_elsewhere, lock
-from tests.support.services import EmbeddedPostgres, wait_until
+from tests.support.services import wait_until
+
+pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across tests
+
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def close_sessions() -> Iterator[None]:
-    yield
-    registry.close()
-
-
 @pytest.fixture
-def own_server(tmp_path: Path) -> Iterator[str]:
+def own_server(server_of_its_own: Callable[..., str]) -> str:
     """A server of this test's own (a crash restart resets every session on it)."""
-    server = EmbeddedPostgres(tmp_path / "pg")
-    server.init()
-    server.start()
-    try:
-        yield server.dsn
-    finally:
-        registry.close()
-        server.destroy()
+    return server_of_its_own()
 
 
 def crash_restart(dsn: str) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
 
 import psycopg
 import pytest
@@ -19,14 +18,10 @@ from pglock_celery.sources import registry
 from tests.support.locks import free_elsewhere, lock
 from tests.support.services import wait_until
 
+pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across tests
+
+
 CHECK_INTERVAL = 0.2
-
-
-@pytest.fixture(autouse=True)
-def empty_cache() -> Iterator[None]:
-    registry.close()
-    yield
-    registry.close()
 
 
 def test_a_polled_lock_object_dropped_later_leaves_another_holder_alone(

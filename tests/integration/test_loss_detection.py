@@ -25,20 +25,15 @@ from psycopg.rows import dict_row
 from pglock_celery import LockLost, TenantLockedTask, current_lock
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
-from pglock_celery.sources import registry
 from tests.support.locks import finish, free_elsewhere, lock, run_bounded, terminate
 from tests.support.services import wait_until
 from tests.support.workers import ROOT
 
+pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across tests
+
+
 CHECK_INTERVAL = 0.2
 DETECTION_BOUND = 1.25 * CHECK_INTERVAL + CHECK_INTERVAL + 0.5
-
-
-@pytest.fixture(autouse=True)
-def empty_cache() -> Iterator[None]:
-    registry.close()
-    yield
-    registry.close()
 
 
 @pytest.fixture

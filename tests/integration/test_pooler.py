@@ -20,15 +20,11 @@ from pglock_celery.sources import registry
 from tests.support.locks import free_elsewhere, lock
 from tests.support.pgbouncer import pgbouncer
 
+pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across tests
+
+
 CHECK_INTERVAL = 0.2
 shared_lock = partial(lock, strategy="shared", check_interval=CHECK_INTERVAL)
-
-
-@pytest.fixture(autouse=True)
-def empty_cache() -> Iterator[None]:
-    registry.close()
-    yield
-    registry.close()
 
 
 @pytest.fixture

@@ -13,20 +13,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pglock_celery.sources import registry
 from tests.support.locks import STRATEGIES, free_elsewhere, lock
 
-
-@pytest.fixture(autouse=True)
-def close_sessions() -> Iterator[None]:
-    yield
-    registry.close()
+pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across tests
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

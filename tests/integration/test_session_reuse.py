@@ -10,7 +10,6 @@ replaced; at most pglock_idle_sessions are kept; the connect strategy keeps none
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import psycopg
 import pytest
@@ -21,22 +20,10 @@ from pglock_celery.sources import registry
 from tests.support.locks import finish, free_elsewhere, held_elsewhere, lock, terminate
 from tests.support.services import scalar
 
+pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across tests
+
+
 CHECK_INTERVAL = 0.2
-
-
-@pytest.fixture(autouse=True)
-def empty_cache() -> Iterator[None]:
-    registry.close()
-    yield
-    registry.close()
-
-
-@pytest.fixture
-def table(pg_dsn: str, run_id: str) -> Iterator[str]:
-    name = f"t_{run_id}"
-    scalar(pg_dsn, f"CREATE TABLE {name} (v int)")
-    yield name
-    scalar(pg_dsn, f"DROP TABLE {name}")
 
 
 # --- back to the cache, or closed -------------------------------------------------------

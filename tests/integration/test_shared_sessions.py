@@ -43,15 +43,11 @@ from tests.support.locks import free_elsewhere, held_elsewhere, lock, terminate
 from tests.support.services import wait_until
 from tests.support.workers import Worker
 
+pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across tests
+
+
 RESULT_TIMEOUT = 120
 shared_lock = partial(lock, strategy="shared", check_interval=0.2)
-
-
-@pytest.fixture(autouse=True)
-def empty_cache() -> Iterator[None]:
-    registry.close()
-    yield
-    registry.close()
 
 
 def shared_backends(dsn: str, worker_pid: int) -> int:

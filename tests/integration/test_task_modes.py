@@ -33,16 +33,10 @@ from pglock_celery.config import PglockConfig
 from pglock_celery.inspect import find_holder
 from pglock_celery.keys import key_to_lock_fields
 from pglock_celery.lock import AdvisoryLock
-from pglock_celery.sources import registry
 from tests.support.locks import free_elsewhere, held_elsewhere, terminate
 from tests.support.services import own_database, scalar
 
-
-@pytest.fixture(autouse=True)
-def empty_cache() -> Iterator[None]:
-    registry.close()
-    yield
-    registry.close()
+pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across tests
 
 
 @pytest.fixture
