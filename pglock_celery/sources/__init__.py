@@ -88,11 +88,13 @@ class Registry:
 
     def idle_count(self) -> int:
         """Idle sessions this process keeps (strategy ``reuse``; for tests and benchmarks)."""
-        return sum(getattr(source, "idle_count", lambda: 0)() for source in self.sources())
+        sources = self.sources()
+        return sum(s.idle_count() for s in sources if isinstance(s, DedicatedSource))
 
     def shared_count(self) -> int:
         """Shared sessions this process has open (for tests and benchmarks)."""
-        return sum(getattr(source, "session_count", lambda: 0)() for source in self.sources())
+        sources = self.sources()
+        return sum(s.session_count() for s in sources if isinstance(s, SharedSource))
 
     def _before_fork(self) -> None:
         self._fork_barrier.acquire()
