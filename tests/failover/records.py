@@ -27,6 +27,8 @@ class Records:
 
     holds: list[Hold] = field(default_factory=list)
     acks: set[tuple[int, str, int, float]] = field(default_factory=set)
+    #: When each hold's writes were acknowledged, by (client, grant).
+    acked_at: dict[tuple[int, float], list[float]] = field(default_factory=dict)
     failures: list[tuple[int, str, float]] = field(default_factory=list)
 
     @classmethod
@@ -41,6 +43,8 @@ class Records:
                     continue  # a line cut by the client's end
                 if "ack" in item:
                     records.acks.add((item["client"], item["ack"], item["seq"], item["grant"]))
+                    key = (item["client"], item["grant"])
+                    records.acked_at.setdefault(key, []).append(item["at"])
                 elif "hold" in item:
                     known = by_key.get((item["client"], item["grant"]))
                     if known is not None:
@@ -68,3 +72,28 @@ def overlaps(holds: list[Hold]) -> list[tuple[Hold, Hold]]:
                     break
                 found.append((first, second))
     return found
+
+
+def after_session_loss(
+    first: Hold, second: Hold, records: Records, event: float, port: int, bound: float
+) -> bool:
+    """Whether ``first`` overlaps ``second`` only because the event ended its session.
+
+    One server never grants a name twice at once. A later hold of a name on the server
+    where an earlier one still runs means the server had already ended the earlier
+    holder's session: a killed postmaster's surviving backends serve on until they
+    notice, and one of them can grant what an exiting backend freed. Nothing can warn
+    the earlier holder before that; what is promised is that it learns within the
+    detection bound (G11) and that none of its writes commits once its session is gone.
+    So such a pair is one on the struck server, begun within the bound of the event,
+    whose earlier holder was told (LockLost) within the bound and had no write
+    acknowledged after the later grant. Any other overlap is a second holder.
+    """
+    return (
+        first.port == second.port == port
+        and event <= second.grant <= event + bound
+        and first.how == "lost"
+        and first.end is not None
+        and first.end - second.grant <= bound
+        and all(t <= second.grant for t in records.acked_at.get((first.client, first.grant), []))
+    )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
-from tests.failover.records import Hold, Records, overlaps
+import pytest
+
+from tests.failover.records import Hold, Records, after_session_loss, overlaps
 
 
 def write(path: Path, *items: dict[str, object]) -> Path:
@@ -28,6 +31,7 @@ def test_holds_are_read_with_their_ends_and_acks_are_not_taken_for_grants(tmp_pa
         ("b", 3.0, 9.0, "open"),  # never closed: held until its client was stopped
     ]
     assert records.acks == {(0, "a", 0, 1.0)}
+    assert records.acked_at == {(0, 1.0): [1.1]}
     assert records.failures == [(0, "LockUnavailable", 3.5)]
 
 
@@ -41,3 +45,48 @@ def test_overlaps_are_pairs_of_holds_of_one_name_that_intersect() -> None:
     ]
     found = {(x.client, y.client) for x, y in overlaps(holds)}
     assert found == {(0, 4), (4, 1), (4, 2), (1, 2)}
+
+
+# The event at 10.0 on port 5; the detection bound 2.5 s. The earlier holder's session
+# ended at the event; a surviving backend granted the name at 10.02; the earlier holder
+# learned at 10.13 and its last write was acknowledged at 9.9.
+EARLIER = Hold(3, "a", 9.0, 5, end=10.13, how="lost")
+LATER = Hold(0, "a", 10.02, 5, end=10.02, how="lost")
+
+
+def loss_records(*ack_times: float) -> Records:
+    return Records(acked_at={(EARLIER.client, EARLIER.grant): list(ack_times)})
+
+
+def test_an_overlap_begun_at_the_event_on_the_struck_server_its_holder_told_is_a_loss() -> None:
+    assert after_session_loss(EARLIER, LATER, loss_records(9.9), 10.0, 5, 2.5)
+
+
+@pytest.mark.parametrize(
+    "earlier, later, acks",
+    [
+        (EARLIER, dataclasses.replace(LATER, port=6), [9.9]),  # the grant on another server
+        # both on a server the event did not strike
+        (dataclasses.replace(EARLIER, port=6), dataclasses.replace(LATER, port=6), [9.9]),
+        (EARLIER, dataclasses.replace(LATER, grant=9.95), [9.9]),  # granted before the event
+        (EARLIER, dataclasses.replace(LATER, grant=12.6), [9.9]),  # granted after the bound
+        (dataclasses.replace(EARLIER, how="released"), LATER, [9.9]),  # released, not told
+        (dataclasses.replace(EARLIER, how="open", end=30.0), LATER, [9.9]),  # never told
+        (dataclasses.replace(EARLIER, end=12.6), LATER, [9.9]),  # told after the bound
+        (EARLIER, LATER, [9.9, 10.05]),  # a write acknowledged after the later grant
+    ],
+    ids=[
+        "other-server",
+        "not-struck",
+        "before-event",
+        "after-bound",
+        "released",
+        "never-told",
+        "told-late",
+        "write-after-grant",
+    ],
+)
+def test_every_other_overlap_counts_as_a_second_holder(
+    earlier: Hold, later: Hold, acks: list[float]
+) -> None:
+    assert not after_session_loss(earlier, later, loss_records(*acks), 10.0, 5, 2.5)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -96,6 +97,59 @@ def test_the_monitor_reports_a_crash_restart_of_a_hold_inside_its_transaction(
     with pytest.raises(LockLost):
         held.release()
     wait_until(lambda: answers(own_server), 30, "the server to come back")
+
+
+def test_a_holder_learns_its_loss_when_a_killed_postmasters_backend_grants_its_name(
+    own_server: str, run_id: str
+) -> None:
+    """SIGKILL the postmaster itself: its backends serve on until they notice.
+
+    The holder's idle backend exits at once and frees the name; a backend busy in a
+    statement, with a try queued behind it, is granted that name before it notices.
+    That is Postgres's doing, and the one way two callers can each believe they hold a
+    name: the library's part is that the holder learns it within the detection bound
+    (G11; a task's body is interrupted then, a plain lock's fails at its next use).
+    """
+    name = f"orphan:{run_id}"
+    held = lock(own_server, name, check_interval=0.2)
+    bound = held.config.client_bound
+    busy = psycopg.connect(own_server, autocommit=True)
+    granted: list[object] = []
+
+    def busy_then_try() -> None:
+        try:
+            with busy.pipeline():
+                busy.execute("SELECT count(*) FROM generate_series(1, 5000000)")
+                cur = busy.execute("SELECT pg_try_advisory_lock(%s::int8)", (lock_key(name),))
+            granted.append(cur.fetchone())
+        except psycopg.Error as exc:
+            granted.append(exc)
+
+    assert held.acquire()
+    worker = threading.Thread(target=busy_then_try)
+    worker.start()
+    with psycopg.connect(own_server, autocommit=True) as look:
+        wait_until(
+            lambda: (
+                look.execute(
+                    "SELECT state = 'active' FROM pg_stat_activity WHERE pid = %s",
+                    (busy.info.backend_pid,),
+                ).fetchone()
+                == (True,)
+            ),
+            10,
+            "the busy statement to run",
+        )
+        os.kill(psutil.Process(busy.info.backend_pid).ppid(), signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: held.lost_reason is not None, bound + 5, "the monitor to find the loss")
+    told_after = time.monotonic() - killed
+    worker.join(30)
+    busy.close()
+    assert granted == [(True,)], "the surviving backend granted the freed name"
+    with pytest.raises(LockLost):
+        held.ensure_held()
+    assert told_after <= bound, (told_after, bound)
 
 
 def test_a_terminated_wait_fails_at_once_and_waits_nowhere_else(pg_dsn: str, run_id: str) -> None:
