@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 from celery import current_app
+from psycopg import pq
 
 from . import sql
 from .config import PglockConfig, get_config
@@ -165,19 +166,25 @@ def named_holder_params(name: str) -> tuple[bytes, bytes]:
     return encode_name(name).encode(), str(APPLICATION_NAME_MAX_BYTES - 4).encode()
 
 
-def named_holder(key: int, name: str, row: list[bytes | None]) -> Holder:
-    """Build the Holder of ``name`` from a row of sql.NAMED_HOLDER (text values)."""
+def text_holder(key: int, row: list[bytes | None], name: str | None = None) -> Holder:
+    """Build a Holder from a row of sql.NAMED_HOLDER or sql.KEYED_HOLDER (text values).
+
+    ``name`` is the name the holder was found by; without it, what its
+    application_name says.
+    """
 
     def text(value: bytes | None) -> str | None:
         return value.decode() if value is not None else None
 
     pid, app_name, addr, started, changed, state = row
     app_name_text = text(app_name) or ""
-    _, _, task_id, worker_pid, worker_host = parse_application_name(app_name_text, key)
+    found, truncated, task_id, worker_pid, worker_host = parse_application_name(app_name_text, key)
+    if name is not None:
+        found, truncated = (None if name == f"#{key}" else name), False
     return Holder(
         key=key,
-        name=None if name == f"#{key}" else name,
-        name_truncated=False,
+        name=found,
+        name_truncated=truncated,
         task_id=task_id,
         worker_pid=worker_pid,
         worker_host=worker_host,
@@ -271,10 +278,10 @@ def holder_on(session: LockSession, key: int, label: str) -> Holder | None:
     """
     try:
         result = session.query(*sql.NAMED_HOLDER, named_holder_params(label))
-        if not result.ntuples:
-            with session.guard:
-                row = session.conn.execute(sql.HOLDER_OF_KEY, key_to_lock_fields(key)).fetchone()
-            return holder_from_row(row) if row is not None else None
+        if result.ntuples:
+            return text_holder(key, _first_row(result), label)
+        fields = key_to_lock_fields(key)
+        result = session.query(*sql.KEYED_HOLDER, [str(f).encode() for f in fields])
     except psycopg.Error as exc:
         logger.warning(
             "lock %s: could not look up its holder: %s",
@@ -283,5 +290,8 @@ def holder_on(session: LockSession, key: int, label: str) -> Holder | None:
             extra={"lock": label, "key": key},
         )
         return None
-    found = [result.get_value(0, column) for column in range(result.nfields)]
-    return named_holder(key, label, found)
+    return text_holder(key, _first_row(result)) if result.ntuples else None
+
+
+def _first_row(result: pq.abc.PGresult) -> list[bytes | None]:
+    return [result.get_value(0, column) for column in range(result.nfields)]

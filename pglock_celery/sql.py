@@ -159,6 +159,21 @@ NAMED_HOLDER: Statement = (
     b") AS a WHERE tail = $1 OR (pg_catalog.octet_length(application_name) >= $2::int"
     b" AND tail <> '' AND pg_catalog.starts_with($1, tail)) ORDER BY tail = $1 DESC LIMIT 1",
 )
+#: The holder of one key by pg_locks, in NAMED_HOLDER's columns, for a skip that no
+#: library holder explains (a hand-rolled holder, a shared session).
+#: $1 classid, $2 objid (see keys.key_to_lock_fields).
+KEYED_HOLDER: Statement = (
+    b"pglock_keyed_holder",
+    b"SELECT a.pid, a.application_name, pg_catalog.host(a.client_addr),"
+    b" pg_catalog.to_json(a.backend_start) #>> '{}',"
+    b" pg_catalog.to_json(a.state_change) #>> '{}', a.state"
+    b" FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid"
+    b" WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+    b" AND l.database = (SELECT oid FROM pg_catalog.pg_database"
+    b" WHERE datname = pg_catalog.current_database())"
+    b" AND l.classid = $1::pg_catalog.int8::pg_catalog.oid"
+    b" AND l.objid = $2::pg_catalog.int8::pg_catalog.oid LIMIT 1",
+)
 #: Which database of which running server this is: its start (microseconds) tells
 #: servers apart, the oid databases.
 DATABASE_IDENTITY = """

@@ -4,6 +4,8 @@ name or key, on a short plain session of its own, in the database try_lock would
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,7 +13,9 @@ import psycopg
 import pytest
 from celery import Celery
 
+import pglock_celery.inspect as pglock_inspect
 from pglock_celery import LockUnavailable, PglockError, holder, lock_key, try_lock
+from pglock_celery.session import STATEMENT_DEADLINE
 from tests.support.locks import lock
 from tests.support.services import wait_until
 
@@ -121,3 +125,49 @@ def test_a_skip_reports_a_hand_rolled_holder_found_by_key(pg_dsn: str, run_id: s
         found = refused.holder()
         refused.release()
         assert found is not None and found.backend_pid == hand.info.backend_pid
+
+
+@pytest.mark.usefixtures("empty_cache")
+def test_a_skips_lookup_by_key_on_a_frozen_backend_ends_within_the_statement_deadline(
+    pg_dsn: str, run_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pg_locks fallback is bounded like every statement of the library's.
+
+    The skipped lock's backend is stopped (SIGSTOP) just before the fallback is sent,
+    after the lookup by name found no library holder: the lookup gives up within the
+    deadline, reports no holder, and the lock lets its session go.
+    """
+    name = f"hand:{run_id}"
+    with psycopg.connect(pg_dsn, autocommit=True) as hand:
+        hand.execute("SELECT pg_advisory_lock(%s)", (lock_key(name),))
+        refused = lock(pg_dsn, name)
+        assert not refused.acquire()
+        (backend,) = hand.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name LIKE %s",
+            (f"%{os.getpid()}%",),
+        ).fetchone() or (None,)
+        assert backend is not None
+        stopped: list[int] = []
+        to_fields = pglock_inspect.key_to_lock_fields
+
+        def stop_backend_first(key: int) -> tuple[int, int]:
+            os.kill(backend, signal.SIGSTOP)
+            stopped.append(backend)
+            return to_fields(key)
+
+        monkeypatch.setattr(pglock_inspect, "key_to_lock_fields", stop_backend_first)
+        found: list[object] = []
+        looking = threading.Thread(target=lambda: found.append(refused.holder()))
+        looking.start()
+        try:
+            looking.join(STATEMENT_DEADLINE + 3)
+            answered = not looking.is_alive()
+        finally:
+            if stopped:
+                os.kill(backend, signal.SIGCONT)
+        looking.join(10)
+        refused.release()
+    assert stopped, "the lookup by key was reached"
+    assert answered, "the lookup by key waited past the statement deadline"
+    assert found == [None]
