@@ -231,15 +231,20 @@ class EmbeddedRedis:
 
 
 @contextlib.contextmanager
-def postgres_service(base: Path, env_var: str, local: str = LOCAL_DSN) -> Iterator[str]:
-    """Yield a Postgres DSN: from ``env_var``, else ``local``, else an embedded server."""
+def postgres_service(
+    base: Path,
+    env_var: str,
+    local: str = LOCAL_DSN,
+    embedded: type[EmbeddedPostgres] = EmbeddedPostgres,
+) -> Iterator[str]:
+    """Yield a Postgres DSN: from ``env_var``, else ``local``, else an ``embedded`` server."""
     if os.environ.get(env_var):
         yield os.environ[env_var]
         return
     if not embedded_only() and postgres_answers(local):
         yield local
         return
-    server = EmbeddedPostgres(base)
+    server = embedded(base)
     server.init()
     server.start()
     try:
@@ -249,15 +254,20 @@ def postgres_service(base: Path, env_var: str, local: str = LOCAL_DSN) -> Iterat
 
 
 @contextlib.contextmanager
-def redis_service(base: Path, env_var: str, local: str = LOCAL_BROKER) -> Iterator[str]:
-    """Yield a Redis URL: from ``env_var``, else ``local``, else an embedded server."""
+def redis_service(
+    base: Path,
+    env_var: str,
+    local: str = LOCAL_BROKER,
+    embedded: type[EmbeddedRedis] = EmbeddedRedis,
+) -> Iterator[str]:
+    """Yield a Redis URL: from ``env_var``, else ``local``, else an ``embedded`` server."""
     if os.environ.get(env_var):
         yield os.environ[env_var]
         return
     if not embedded_only() and redis_answers(local):
         yield local
         return
-    server = EmbeddedRedis(base)
+    server = embedded(base)
     server.start()
     try:
         yield server.url

@@ -26,7 +26,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from tasks import services
-from tasks.services import LOCAL_BROKER, embedded_only, postgres_answers, redis_answers, wait_until
+from tasks.services import LOCAL_BROKER, postgres_answers, wait_until
 
 LOCAL_TEST_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test"
 
@@ -132,39 +132,14 @@ class EmbeddedRedis(services.EmbeddedRedis):
         super().__init__(base, port or free_port())
 
 
-@contextlib.contextmanager
-def postgres_for_tests(base: Path) -> Iterator[str]:
-    """Yield the DSN of a server: PGLOCK_TEST_DSN, else the local one, else an embedded one."""
-    dsn = os.environ.get("PGLOCK_TEST_DSN")
-    if not dsn and not embedded_only() and postgres_answers(LOCAL_TEST_DSN):
-        dsn = LOCAL_TEST_DSN
-    if dsn:
-        yield dsn
-        return
-    server = EmbeddedPostgres(base)
-    server.init()
-    server.start()
-    try:
-        yield server.dsn
-    finally:
-        server.destroy()
+def postgres_for_tests(base: Path) -> contextlib.AbstractContextManager[str]:
+    """The DSN of a server: PGLOCK_TEST_DSN, else the local one, else an embedded one."""
+    return services.postgres_service(base, "PGLOCK_TEST_DSN", LOCAL_TEST_DSN, EmbeddedPostgres)
 
 
-@contextlib.contextmanager
-def redis_for_tests(base: Path) -> Iterator[str]:
-    """Yield the URL of a server: PGLOCK_TEST_BROKER, else the local one, else an embedded one."""
-    url = os.environ.get("PGLOCK_TEST_BROKER")
-    if not url and not embedded_only() and redis_answers(LOCAL_BROKER):
-        url = LOCAL_BROKER
-    if url:
-        yield url
-        return
-    server = EmbeddedRedis(base)
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+def redis_for_tests(base: Path) -> contextlib.AbstractContextManager[str]:
+    """The URL of a server: PGLOCK_TEST_BROKER, else the local one, else an embedded one."""
+    return services.redis_service(base, "PGLOCK_TEST_BROKER", LOCAL_BROKER, EmbeddedRedis)
 
 
 @contextlib.contextmanager
