@@ -19,6 +19,7 @@ from pglock_celery import LockUnavailable, TenantLockedTask
 from pglock_celery.sources import registry
 from tests.apps import core
 from tests.support import netns
+from tests.support.locks import eager_app
 from tests.support.services import EmbeddedPostgres, wait_until
 from tests.support.workers import ROOT, Worker
 
@@ -93,8 +94,7 @@ def with_password(server: EmbeddedPostgres, password: str = SCRAM_PASSWORD) -> s
 
 def call(dsn: str, tenant: str) -> tuple[bool, BaseException | None]:
     """One TenantLockedTask call against ``dsn``: (whether its body ran, its error)."""
-    app = Celery("closed", set_as_current=False, broker="memory://", backend="cache+memory://")
-    app.conf.update(pglock_dsn=dsn, pglock_connect_timeout=2, task_store_eager_result=True)
+    app = eager_app(dsn, "closed", connect_timeout=2)
     ran: list[str] = []
 
     @app.task(base=TenantLockedTask, shared=False)

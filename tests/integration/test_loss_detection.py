@@ -25,6 +25,7 @@ from psycopg.rows import dict_row
 from pglock_celery import LockLost, TenantLockedTask, current_lock
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
+from tests.support import locks
 from tests.support.locks import finish, free_elsewhere, lock, run_bounded, terminate
 from tests.support.services import wait_until
 from tests.support.workers import ROOT
@@ -38,11 +39,7 @@ DETECTION_BOUND = 1.25 * CHECK_INTERVAL + CHECK_INTERVAL + 0.5
 
 @pytest.fixture
 def eager_app(pg_dsn: str) -> Celery:
-    app = Celery("monitor", set_as_current=False, broker="memory://", backend="cache+memory://")
-    app.conf.update(
-        pglock_dsn=pg_dsn, pglock_check_interval=CHECK_INTERVAL, task_store_eager_result=True
-    )
-    return app
+    return locks.eager_app(pg_dsn, "monitor", check_interval=CHECK_INTERVAL)
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from pglock_celery.config import PglockConfig
 from pglock_celery.inspect import find_holder
 from pglock_celery.keys import key_to_lock_fields
 from pglock_celery.lock import AdvisoryLock
+from tests.support import locks
 from tests.support.locks import free_elsewhere, held_elsewhere, terminate
 from tests.support.services import own_database, scalar
 
@@ -41,9 +42,7 @@ pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across te
 
 @pytest.fixture
 def eager_app(pg_dsn: str) -> Celery:
-    app = Celery("modes", set_as_current=False, broker="memory://", backend="cache+memory://")
-    app.conf.update(pglock_dsn=pg_dsn, task_store_eager_result=True)
-    return app
+    return locks.eager_app(pg_dsn, "modes")
 
 
 # A failed statement on a lost session ------------------------------------------------------
@@ -455,9 +454,7 @@ STRATEGIES = ["reuse", "connect", "shared"]
 
 
 def app_on(dsn: str, strategy: str) -> Celery:
-    app = Celery("elsewhere", set_as_current=False, broker="memory://", backend="cache+memory://")
-    app.conf.update(pglock_dsn=dsn, pglock_strategy=strategy, task_store_eager_result=True)
-    return app
+    return locks.eager_app(dsn, "elsewhere", strategy=strategy)
 
 
 def key_holders(dsn: str, name: str) -> int:

@@ -12,14 +12,12 @@ import json
 import sys
 import time
 
-from celery import Celery
-
 from pglock_celery import TenantLockedTask
+from tests.support.locks import eager_app
 
 
 def main(dsn: str, tenant: str) -> int:
-    app = Celery("attempt", set_as_current=False, broker="memory://", backend="cache+memory://")
-    app.conf.update(pglock_dsn=dsn, task_store_eager_result=True)
+    app = eager_app(dsn, "attempt")
     ran: list[str] = []
 
     @app.task(base=TenantLockedTask, shared=False)

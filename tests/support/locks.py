@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+from celery import Celery
 
 from pglock_celery import LockLost, lock_key
 from pglock_celery.config import PglockConfig
@@ -19,6 +20,17 @@ from pglock_celery.lock import AdvisoryLock
 
 #: Every value of pglock_strategy.
 STRATEGIES = ("reuse", "connect", "shared")
+
+
+def eager_app(dsn: str, name: str = "eager", **settings: Any) -> Celery:
+    """An app whose tasks run in the caller (``apply``), with locks on ``dsn``.
+
+    Each keyword is a pglock setting without its prefix (``check_interval=0.2``).
+    """
+    app = Celery(name, set_as_current=False, broker="memory://", backend="cache+memory://")
+    app.conf.update(pglock_dsn=dsn, task_store_eager_result=True)
+    app.conf.update({f"pglock_{key}": value for key, value in settings.items()})
+    return app
 
 
 def key_of(name_or_key: str | int) -> int:
