@@ -66,6 +66,8 @@ class Source(Protocol):
 
     def check(self, hold: Hold, *, wait: bool) -> str | None: ...
 
+    def cut_off(self, hold: Hold) -> None: ...
+
     def lost(self, hold: Hold, reason: str) -> None: ...
 
 
@@ -108,10 +110,14 @@ class Hold:
         self._changed: threading.Event | None = None
         self._next_check = 0.0
         self._checking = False
+        # Orders a loss against the end (never held across a statement: a holder's
+        # statement may wait on a server that never answers).
+        self._state = threading.Lock()
 
     def end(self) -> None:
         """The hold is over (released, or given up in a forked child)."""
-        self.ended = True
+        with self._state:
+            self.ended = True
         if self._changed is not None:
             self._changed.set()
 
@@ -130,15 +136,19 @@ class Hold:
         return changed.wait(seconds)
 
     def mark_lost(self, reason: str) -> None:
-        """Record a loss once: log it, let the source deal with the session, tell."""
-        session = self.session
-        if session is None:
+        """Record a loss once: log it, stop the holder's statement, tell, end the session.
+
+        Never waits for the session: a statement of the holder's may be waiting on a
+        server that will never answer it (frozen, deposed), and the holder must be
+        told all the same.
+        """
+        if self.session is None:
             return
-        with session.guard:
+        with self._state:
             if self.lost is not None or self.ended:
                 return
             self.lost = reason
-            self._signal()
+        self._signal()
         self.source.monitor.count_loss("while_held")
         logger.error(
             "lock %s lost by %s (task %s): %s",
@@ -154,7 +164,9 @@ class Hold:
                 "reason": reason,
             },
         )
-        # The body is told first: ending the session may wait on a frozen server.
+        # A statement under way fails first, so that an interrupted body finds its
+        # connection already cut; then the body is told; ending the session may wait.
+        self.source.cut_off(self)
         if self.on_lost is not None:
             self.on_lost(self, reason)
         self.source.lost(self, reason)

@@ -433,6 +433,27 @@ class LockSession:
             return self.pgconn.transaction_status == pq.TransactionStatus.IDLE
         return not any(kind in _GOODBYES for kind in _message_types(pending))
 
+    def cut(self) -> None:
+        """Shut the session's connection down both ways, without closing its descriptor.
+
+        For a statement that may never be answered (a frozen or deposed server): the
+        thread waiting on it wakes at once to an error, nothing more reaches the
+        server, and that thread still owns the descriptor (closing it under a wait
+        could hand its number to another file). The session is never used again.
+        """
+        if self.pid != os.getpid() or self.pgconn.status == pq.ConnStatus.BAD:
+            return  # a parent's socket is the parent's
+        try:
+            sock = _socket.socket(fileno=self.pgconn.socket)
+        except (psycopg.Error, OSError):
+            return
+        try:
+            sock.shutdown(_socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected any more
+        finally:
+            sock.detach()
+
     def query(
         self,
         name: bytes,

@@ -188,6 +188,13 @@ class Source(abc.ABC):
         finally:
             session.guard.release()
 
+    @abc.abstractmethod
+    def cut_off(self, hold: Hold) -> None:
+        """Make a statement of ``hold``'s holder under way fail now: its lock is lost.
+
+        Never waits for the session (Hold.mark_lost calls it before telling the body).
+        """
+
     def before_commit(self, hold: Hold) -> None:
         """Refuse the commit of a holder's transaction unless its server still leads."""
         problem = self.leader_problem(hold.session)

@@ -278,6 +278,13 @@ class SharedSource(Source):
 
     # -- losses ------------------------------------------------------------------------
 
+    def cut_off(self, hold: Hold) -> None:
+        """Nothing: the session carries other holders' locks, which a cut would end.
+
+        A holder's transaction on a server that never answers ends by the session's
+        keepalives, or when the server resumes.
+        """
+
     def lost(self, hold: Hold, reason: str) -> None:
         if hold.session is not None and "session failed" in reason:
             self._fail(hold.session, reason)

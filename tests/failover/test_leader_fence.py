@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+import uuid
 
 import psycopg
+import pytest
 
+from pglock_celery import LockLost
 from pglock_celery.patroni import LeaderFence, ServerIdentity, server_identity
+from tests.support.locks import lock
 from tests.support.patroni import Member, PatroniCluster
 from tests.support.services import wait_until
 
@@ -67,6 +72,75 @@ def test_a_paused_patroni_is_cannot_tell_within_the_timeout(patroni: PatroniClus
     assert "cannot tell" in verdict.reason and "timed out" in verdict.reason, verdict.reason
     assert took < 2 * fence.timeout + 0.5
     wait_until(lambda: fence.confirm(server).leader, 30, "the resumed leader to be confirmed")
+
+
+@pytest.mark.parametrize("strategy", ["connect", "reuse"])
+def test_a_body_waiting_in_a_statement_is_stopped_once_its_leader_cannot_be_confirmed(
+    patroni: PatroniCluster, strategy: str
+) -> None:
+    """The fence asks no statement of the session, and neither does telling the holder.
+
+    The body waits in a statement (on a row lock another session keeps; on a deposed
+    primary it would be a statement the frozen server never answers) when Patroni stops
+    answering: the body's statement fails with LockLost within the fence's detection,
+    not when the statement ends.
+    """
+    leader = leader_of(patroni)
+    table = f"fence_rows_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(leader.dsn, autocommit=True) as admin:
+        admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+        admin.execute(f"INSERT INTO {table} VALUES (1)")
+    blocker = psycopg.connect(leader.dsn)
+    blocker.execute(f"SELECT * FROM {table} WHERE id = 1 FOR UPDATE")
+    held = lock(
+        leader.dsn,
+        f"fence:{strategy}:{table}",
+        strategy=strategy,
+        patroni_url=tuple(patroni.urls.split(",")),
+        check_interval=0.5,
+    )
+    assert held.acquire()
+    backend = held.backend_pid
+    outcome: list[object] = []
+
+    def body() -> None:
+        try:
+            with held.transaction() as conn:
+                conn.execute(f"SELECT * FROM {table} WHERE id = 1 FOR UPDATE")
+            outcome.append("committed")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    waiting = threading.Thread(target=body)
+    waiting.start()
+    pid = leader.patroni_pid
+    assert pid is not None
+    try:
+        with psycopg.connect(leader.dsn, autocommit=True) as look:
+            wait_until(
+                lambda: (
+                    look.execute(
+                        "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
+                        (backend,),
+                    ).fetchone()
+                    == (True,)
+                ),
+                10,
+                "the body to wait on the row",
+            )
+        os.kill(pid, signal.SIGSTOP)
+        waiting.join(15)  # the fence's detection is a few seconds (check + 2 timeouts)
+        stopped = not waiting.is_alive()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        blocker.close()
+    waiting.join(10)
+    with pytest.raises(LockLost):
+        held.release()
+    with psycopg.connect(leader.dsn, autocommit=True) as admin:
+        admin.execute(f"DROP TABLE {table}")
+    assert stopped, "the body stayed in its statement after the fence refused its server"
+    assert len(outcome) == 1 and isinstance(outcome[0], LockLost), outcome
 
 
 def test_a_longer_ttl_in_patronis_configuration_widens_the_window(
