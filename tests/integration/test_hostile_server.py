@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +22,8 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from pglock_celery import LockLost, LockTimeout, LockUnavailable, lock_key
+from pglock_celery.config import PglockConfig
+from pglock_celery.session import open_session
 from pglock_celery.sources import registry
 from tests.support.locks import STRATEGIES, free_elsewhere, lock
 from tests.support.services import wait_until
@@ -150,6 +153,33 @@ def test_a_holder_learns_its_loss_when_a_killed_postmasters_backend_grants_its_n
     with pytest.raises(LockLost):
         held.ensure_held()
     assert told_after <= bound, (told_after, bound)
+
+
+def test_a_cut_shuts_the_sessions_own_socket_and_never_one_that_took_its_number(
+    pg_dsn: str,
+) -> None:
+    """LockSession.cut (a lost lock's statement that may never be answered) checks the
+    socket's address first: libpq closes the descriptor when the server ends the
+    session, and another socket may get its number before the cut."""
+    config = PglockConfig(dsn=pg_dsn)
+    session = open_session(config, "pglock|cut")
+    stranger, peer = socket.socketpair()
+    try:
+        fd = session.pgconn.socket
+        kept = os.dup(fd)
+        os.dup2(stranger.fileno(), fd)  # the number now names another socket
+        session.cut()
+        peer.sendall(b"x")
+        assert os.read(fd, 1) == b"x", "the stranger socket still works"
+        os.dup2(kept, fd)  # the session's own socket again
+        os.close(kept)
+        session.cut()
+        with pytest.raises(psycopg.OperationalError):
+            session.conn.execute("SELECT 1")
+    finally:
+        session.close()
+        stranger.close()
+        peer.close()
 
 
 def test_a_terminated_wait_fails_at_once_and_waits_nowhere_else(pg_dsn: str, run_id: str) -> None:
