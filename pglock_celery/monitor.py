@@ -66,7 +66,7 @@ class Source(Protocol):
 
     def check(self, hold: Hold, *, wait: bool) -> str | None: ...
 
-    def cut_off(self, hold: Hold) -> None: ...
+    def cut_off(self, hold: Hold, reason: str) -> None: ...
 
     def lost(self, hold: Hold, reason: str) -> None: ...
 
@@ -166,7 +166,7 @@ class Hold:
         )
         # A statement under way fails first, so that an interrupted body finds its
         # connection already cut; then the body is told; ending the session may wait.
-        self.source.cut_off(self)
+        self.source.cut_off(self, reason)
         if self.on_lost is not None:
             self.on_lost(self, reason)
         self.source.lost(self, reason)

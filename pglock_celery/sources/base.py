@@ -29,6 +29,10 @@ class Registry(Protocol):
     def opening(self) -> contextlib.AbstractContextManager[None]: ...
 
 
+class LeaderProblem(str):
+    """Why a session's server is not confirmed as the leader: every lock on it is lost."""
+
+
 #: The strategies, as pglock_strategy names them.
 CONNECT, REUSE, SHARED = "connect", "reuse", "shared"
 
@@ -93,7 +97,7 @@ class Source(abc.ABC):
             self.fence.timeout if self.fence else 0
         )
 
-    def leader_problem(self, session: LockSession | None) -> str | None:
+    def leader_problem(self, session: LockSession | None) -> LeaderProblem | None:
         """Why ``session``'s server is not (or cannot be told to be) the leader, or None.
 
         Always None without a fence. Asks no statement of the session: a frozen or
@@ -102,17 +106,21 @@ class Source(abc.ABC):
         if self.fence is None or session is None:
             return None
         if session.identity is None:
-            return "its server's identity is unknown: the Patroni leader cannot be confirmed"
+            return LeaderProblem(
+                "its server's identity is unknown: the Patroni leader cannot be confirmed"
+            )
         verdict = self.fence.confirm(session.identity, fresh_for=self._fresh_for)
         if verdict.valid(for_at_least=self._fresh_for):
             return None
         if verdict.leader:
-            return (
+            return LeaderProblem(
                 "its server leads, but a confirmation is trusted for less than a check "
                 f"interval and the time to ask ({self._fresh_for:g} s): lower "
                 "pglock_check_interval, or raise Patroni's ttl"
             )
-        return f"its server is not confirmed as the Patroni cluster's leader: {verdict.reason}"
+        return LeaderProblem(
+            f"its server is not confirmed as the Patroni cluster's leader: {verdict.reason}"
+        )
 
     @abc.abstractmethod
     def acquire(self, hold: Hold, *, wait: bool, timeout: float | None) -> bool:
@@ -189,11 +197,23 @@ class Source(abc.ABC):
             session.guard.release()
 
     @abc.abstractmethod
-    def cut_off(self, hold: Hold) -> None:
-        """Make a statement of ``hold``'s holder under way fail now: its lock is lost.
+    def cut_off(self, hold: Hold, reason: str) -> None:
+        """Make a statement under way on ``hold``'s session fail now: its lock is lost.
 
         Never waits for the session (Hold.mark_lost calls it before telling the body).
         """
+
+    def _cut_if_busy(self, session: LockSession | None) -> None:
+        """Cut ``session`` when a statement is under way on it (its guard is taken).
+
+        That statement may wait on a server that will never answer (frozen, deposed).
+        """
+        if session is None or session.closed or session.pid != os.getpid():
+            return
+        if session.guard.acquire(blocking=False):
+            session.guard.release()
+            return  # nothing under way: lost() deals with the session
+        session.cut()
 
     def before_commit(self, hold: Hold) -> None:
         """Refuse the commit of a holder's transaction unless its server still leads."""

@@ -217,16 +217,9 @@ class DedicatedSource(Source):
             lambda: self.before_commit(hold),
         )
 
-    def cut_off(self, hold: Hold) -> None:
-        session = hold.session
-        if session is None or session.closed or session.pid != os.getpid():
-            return
-        if session.guard.acquire(blocking=False):
-            session.guard.release()
-            return  # no statement under way: lost() ends the session
-        # The holder's statement may wait on a server that will never answer (frozen,
-        # deposed): the session is its alone, and no longer trusted.
-        session.cut()
+    def cut_off(self, hold: Hold, reason: str) -> None:
+        # The session is the holder's alone, and not trusted again.
+        self._cut_if_busy(hold.session)
 
     def lost(self, hold: Hold, reason: str) -> None:
         session = hold.session

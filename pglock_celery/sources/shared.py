@@ -31,7 +31,7 @@ from ..config import PglockConfig
 from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
 from ..monitor import Hold, one_line
 from ..session import LockSession, application_name, apply_settings, open_session
-from .base import Registry, Source, fenced_transaction
+from .base import LeaderProblem, Registry, Source, fenced_transaction
 
 #: Longest pause between two tries of a waiting shared lock, in seconds.
 MAX_POLL = 0.5
@@ -278,12 +278,14 @@ class SharedSource(Source):
 
     # -- losses ------------------------------------------------------------------------
 
-    def cut_off(self, hold: Hold) -> None:
-        """Nothing: the session carries other holders' locks, which a cut would end.
+    def cut_off(self, hold: Hold, reason: str) -> None:
+        """Cut the session only when every lock on it is lost: its server does not lead.
 
-        A holder's transaction on a server that never answers ends by the session's
-        keepalives, or when the server resumes.
+        One lock's loss leaves the others' locks on the session alone (a cut would
+        end them too).
         """
+        if isinstance(reason, LeaderProblem):
+            self._cut_if_busy(hold.session)
 
     def lost(self, hold: Hold, reason: str) -> None:
         if hold.session is not None and "session failed" in reason:

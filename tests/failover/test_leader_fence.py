@@ -13,7 +13,7 @@ import pytest
 
 from pglock_celery import LockLost
 from pglock_celery.patroni import LeaderFence, ServerIdentity, server_identity
-from tests.support.locks import lock
+from tests.support.locks import STRATEGIES, lock
 from tests.support.patroni import Member, PatroniCluster
 from tests.support.services import wait_until
 
@@ -74,7 +74,7 @@ def test_a_paused_patroni_is_cannot_tell_within_the_timeout(patroni: PatroniClus
     wait_until(lambda: fence.confirm(server).leader, 30, "the resumed leader to be confirmed")
 
 
-@pytest.mark.parametrize("strategy", ["connect", "reuse"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_body_waiting_in_a_statement_is_stopped_once_its_leader_cannot_be_confirmed(
     patroni: PatroniCluster, strategy: str
 ) -> None:
@@ -83,9 +83,13 @@ def test_a_body_waiting_in_a_statement_is_stopped_once_its_leader_cannot_be_conf
     The body waits in a statement (on a row lock another session keeps; on a deposed
     primary it would be a statement the frozen server never answers) when Patroni stops
     answering: the body's statement fails with LockLost within the fence's detection,
-    not when the statement ends.
+    not when the statement ends. A shared session is cut too: the verdict is its
+    server's, so every lock on it is lost.
     """
     leader = leader_of(patroni)
+    fence = LeaderFence.from_setting(patroni.urls)
+    server = identity(leader)
+    wait_until(lambda: fence.confirm(server).leader, 30, "the leader to be confirmed")
     table = f"fence_rows_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(leader.dsn, autocommit=True) as admin:
         admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
@@ -139,6 +143,7 @@ def test_a_body_waiting_in_a_statement_is_stopped_once_its_leader_cannot_be_conf
         held.release()
     with psycopg.connect(leader.dsn, autocommit=True) as admin:
         admin.execute(f"DROP TABLE {table}")
+    wait_until(lambda: fence.confirm(server).leader, 30, "the resumed leader to be confirmed")
     assert stopped, "the body stayed in its statement after the fence refused its server"
     assert len(outcome) == 1 and isinstance(outcome[0], LockLost), outcome
 
