@@ -33,8 +33,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import psycopg
 from psycopg import errors, generators, pq, waiting
@@ -53,8 +53,6 @@ from .handles import (
     green_wait,
 )
 from .patroni import ServerIdentity, server_identity
-
-T = TypeVar("T")
 
 #: Postgres truncates application_name to NAMEDATALEN - 1 bytes.
 APPLICATION_NAME_MAX_BYTES = 63
@@ -366,8 +364,9 @@ class LockSession:
         # How to wait for the server: psycopg's own, or one gevent or eventlet can
         # switch out of (chosen here: green libraries patch before sessions open).
         self._wait = green_wait() or waiting.wait
-        # The socket's own address, to know it again before cutting it (cut()).
-        self._sockname = self._socket_call(lambda sock: sock.getsockname())
+        # Which socket is the session's (its inode: unique among open sockets), to
+        # know it again before cutting it (cut()).
+        self._socket_inode = os.fstat(self.pgconn.socket).st_ino
 
     def __repr__(self) -> str:
         return f"<LockSession backend {self.backend_pid} of process {self.pid}>"
@@ -444,30 +443,27 @@ class LockSession:
         thread waiting on it wakes at once to an error, nothing more reaches the
         server, and that thread still owns the descriptor (closing it under a wait
         could hand its number to another file). The session is never used again.
-        Only a socket with the session's own address is cut: libpq closes the
-        descriptor when the server ends the session, and its number may be reused.
+        libpq closes the descriptor when the server ends the session, and another
+        socket may take its number: a duplicate pins the socket the number names,
+        and only the session's own (by inode) is shut down.
         """
         if self.pid != os.getpid() or self.pgconn.status == pq.ConnStatus.BAD:
             return  # a parent's socket is the parent's
-
-        def shut(sock: _socket.socket) -> None:
-            if sock.getsockname() == self._sockname:
-                sock.shutdown(_socket.SHUT_RDWR)
-
-        self._socket_call(shut)
-
-    def _socket_call(self, call: Callable[[_socket.socket], T]) -> T | None:
-        """``call`` on the session's C socket (never closed here); None on failure."""
         try:
-            sock = _socket.socket(fileno=self.pgconn.socket)
+            pinned = os.dup(self.pgconn.socket)
         except (psycopg.Error, OSError):
-            return None
+            return
         try:
-            return call(sock)
+            if os.fstat(pinned).st_ino == self._socket_inode:
+                sock = _socket.socket(fileno=pinned)
+                try:
+                    sock.shutdown(_socket.SHUT_RDWR)
+                finally:
+                    sock.detach()
         except OSError:
-            return None  # not connected any more
+            pass  # not connected any more
         finally:
-            sock.detach()
+            os.close(pinned)
 
     def query(
         self,

@@ -125,8 +125,8 @@ RESET_AFTER_TRANSACTION = (
 
 # Advisory locks are per database; a bigint key shows as classid/objid with
 # objsubid = 1 (two int4 keys use objsubid = 2 and are not ours). Read by the
-# operator's commands and holder(), and by a skip only when no library holder
-# names its lock: never on a per-lock path.
+# operator's commands and holder(), and (KEYED_HOLDER) by a skip only when no
+# library holder names its lock: never on a per-lock path.
 _HELD_LOCKS = """
 SELECT l.classid::pg_catalog.int8, l.objid::pg_catalog.int8, a.pid, a.application_name,
        pg_catalog.host(a.client_addr), a.backend_start, a.state_change, a.state

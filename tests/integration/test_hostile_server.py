@@ -158,9 +158,9 @@ def test_a_holder_learns_its_loss_when_a_killed_postmasters_backend_grants_its_n
 def test_a_cut_shuts_the_sessions_own_socket_and_never_one_that_took_its_number(
     pg_dsn: str,
 ) -> None:
-    """LockSession.cut (a lost lock's statement that may never be answered) checks the
-    socket's address first: libpq closes the descriptor when the server ends the
-    session, and another socket may get its number before the cut."""
+    """LockSession.cut (a lost lock's statement that may never be answered) checks which
+    socket the descriptor's number names (its inode) first: libpq closes the descriptor
+    when the server ends the session, and another socket may get its number."""
     config = PglockConfig(dsn=pg_dsn)
     session = open_session(config, "pglock|cut")
     stranger, peer = socket.socketpair()
