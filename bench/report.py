@@ -160,8 +160,8 @@ def lock_release_target(latency: Data | None) -> Target:
         ". The library's two statements do more than the pair's (the lock is taken twice, for"
         " the O(1) held check; the session's token and `pglock.held` are checked, the session"
         " named and the key recorded; the release frees both counts and clears both settings),"
-        " and its Python does more around them (the idle session's socket peek, the hold"
-        " registered with the loss monitor)"
+        " and its Python does more around them (the grant time stamped into the session's"
+        " name, the hold registered with the loss monitor)"
     )
     if rounds:
         why += f"; round by round the ratio ran from {rounds[0]:.2f}x to {rounds[-1]:.2f}x"
