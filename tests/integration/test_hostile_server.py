@@ -155,13 +155,26 @@ def test_a_holder_learns_its_loss_when_a_killed_postmasters_backend_grants_its_n
     assert told_after <= bound, (told_after, bound)
 
 
+def over_unix_socket(dsn: str) -> str:
+    """``dsn`` through the server's Unix socket (the first of its socket directories)."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT current_setting('unix_socket_directories')").fetchone()
+    directory = str(row[0] if row else "").split(",")[0].strip()
+    assert directory, "the server listens on no Unix socket"
+    params = conninfo_to_dict(dsn)
+    params.pop("hostaddr", None)
+    return make_conninfo(**{**params, "host": directory})
+
+
+@pytest.mark.parametrize("over", ["tcp", "unix"])
 def test_a_cut_shuts_the_sessions_own_socket_and_never_one_that_took_its_number(
-    pg_dsn: str,
+    pg_dsn: str, over: str
 ) -> None:
     """LockSession.cut (a lost lock's statement that may never be answered) checks which
     socket the descriptor's number names (its inode) first: libpq closes the descriptor
-    when the server ends the session, and another socket may get its number."""
-    config = PglockConfig(dsn=pg_dsn)
+    when the server ends the session, and another socket may get its number. Over a
+    Unix socket every client socket has the same (empty) address: only the inode tells."""
+    config = PglockConfig(dsn=pg_dsn if over == "tcp" else over_unix_socket(pg_dsn))
     session = open_session(config, "pglock|cut")
     stranger, peer = socket.socketpair()
     try:
