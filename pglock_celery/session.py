@@ -448,7 +448,7 @@ class LockSession:
         and only the session's own (by inode) is shut down.
         """
         if self.pid != os.getpid() or self.pgconn.status == pq.ConnStatus.BAD:
-            return  # a parent's socket is the parent's
+            return  # a parent's socket is the parent's; a failed one is already cut off
         try:
             pinned = os.dup(self.pgconn.socket)
         except (psycopg.Error, OSError):
