@@ -357,7 +357,10 @@ class LeaderFence:
     threads. :meth:`confirm` reuses a confirmation while it stays valid for the time
     asked, else asks the member that runs the server (``GET /leader``, and ``GET
     /config`` when the timing is older than ``config_max_age``), all members when it
-    does not know which one.
+    does not know which one. A member that let a request time out is not asked again
+    for ``silent_for`` seconds: what would be asked of it meanwhile is refused at once
+    (a refusal, never a confirmation), so a paused member costs one timeout, not one
+    per lock taken.
     """
 
     def __init__(
@@ -367,12 +370,14 @@ class LeaderFence:
         timeout: float = 1.0,
         margin: float = 2.0,
         config_max_age: float = 5.0,
+        silent_for: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.urls = parse_urls(list(urls))
         self.timeout = timeout
         self.margin = margin
         self.config_max_age = config_max_age
+        self.silent_for = silent_for
         self._clock = clock
         self._guard = threading.Lock()
         self._timing: tuple[float, Timing] | None = None
@@ -380,6 +385,8 @@ class LeaderFence:
         #: postmaster start time -> the member URL that runs it, as last seen.
         self._where: dict[datetime.datetime, str] = {}
         self._last: dict[datetime.datetime, Confirmation] = {}
+        #: member URL -> until when it is not asked (it let a request time out).
+        self._silent: dict[str, float] = {}
         # No proxy: the members are reached directly (a proxy from the environment
         # could answer for a member that is gone).
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -448,7 +455,7 @@ class LeaderFence:
 
     def _ask(self, url: str, server: ServerIdentity, timing: Timing) -> Confirmation:
         sent_at = self._clock()
-        answer = self._get(url + "/leader")
+        answer = self._request(url, "/leader")
         verdict = judge(answer, server, sent_at, timing, self.margin, _shown(url))
         scope = _scope(answer.body)
         with self._guard:
@@ -471,7 +478,7 @@ class LeaderFence:
             return cached[1]
         problems: list[str] = []
         for candidate in [url] if url else list(self.urls):
-            answer = self._get(candidate + "/config")
+            answer = self._request(candidate, "/config")
             if answer.status == 200:
                 try:
                     timing = Timing.from_config(answer.body)
@@ -490,6 +497,20 @@ class LeaderFence:
             "cannot tell: Patroni's dynamic configuration (GET /config) could not be read: "
             + "; ".join(problems),
         )  # fmt: skip
+
+    def _request(self, member: str, path: str) -> Answer:
+        """GET ``path`` of ``member``, unless it let a request time out a moment ago."""
+        with self._guard:
+            silent_until = self._silent.get(member, 0.0)
+        if self._clock() < silent_until:
+            return Answer(0, None, None, "timed out a moment ago (not asked again yet)")
+        answer = self._get(member + path)
+        with self._guard:
+            if answer.status == 0 and answer.error == TIMED_OUT:
+                self._silent[member] = self._clock() + self.silent_for
+            else:
+                self._silent.pop(member, None)
+        return answer
 
     def _get(self, url: str) -> Answer:
         try:
@@ -516,13 +537,17 @@ class LeaderFence:
         return Answer(status, date, body)
 
 
+#: How _describe names a request that timed out.
+TIMED_OUT = "timed out"
+
+
 def _describe(exc: BaseException) -> str:
     """Why a request failed, without the URL (urllib quotes it in some messages)."""
     reason = getattr(exc, "reason", None)
     if isinstance(reason, BaseException):
         exc = reason
     if isinstance(exc, TimeoutError) or "timed out" in str(exc):
-        return "timed out"
+        return TIMED_OUT
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused"
     return type(exc).__name__

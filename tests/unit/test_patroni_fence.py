@@ -280,6 +280,30 @@ def test_a_member_that_accepts_but_never_answers_is_cannot_tell_within_the_timeo
     assert took < 1.5
 
 
+def test_a_member_that_timed_out_is_refused_at_once_until_it_may_be_asked_again() -> None:
+    """A paused member costs one timeout per ``silent_for``, not one per lock taken."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel accepts; nothing ever answers (a paused Patroni)
+    now = [1000.0]
+    took: list[float] = []
+    verdicts = []
+    try:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        fence = LeaderFence([url], timeout=0.3, silent_for=2.0, clock=lambda: now[0])
+        for advance in (0.0, 1.9, 0.2):  # asked; within silent_for; past it
+            now[0] += advance
+            began = time.monotonic()
+            verdicts.append(fence.confirm(SERVER))
+            took.append(time.monotonic() - began)
+    finally:
+        silent.close()
+    assert not any(v.leader for v in verdicts)
+    assert took[0] >= 0.3 and "timed out" in verdicts[0].reason
+    assert took[1] < 0.1 and "a moment ago" in verdicts[1].reason, (took, verdicts[1])
+    assert took[2] >= 0.3 and "timed out" in verdicts[2].reason
+
+
 def test_nobody_answering_for_the_server_is_cannot_tell_naming_it(members: list[Member]) -> None:
     fence = LeaderFence([members[1].url])
     verdict = fence.confirm(SERVER)
