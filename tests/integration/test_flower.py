@@ -172,6 +172,12 @@ def test_flowers_tasks_page_in_chromium_shows_the_skip_and_the_lost_lock(
     assert terminate(pg_dsn, run.session_pid)
     with pytest.raises(LockLost):
         failed.get(timeout=30)
+    # Flower has both calls (its API) before the page is asked to show them.
+    wait_until(
+        lambda: {skipped.id, failed.id} <= fetch(f"{flower}/api/tasks").keys(),
+        60,
+        "Flower to receive both calls' events",
+    )
 
     browser = chromium()
     try:
@@ -190,7 +196,7 @@ def test_flowers_tasks_page_in_chromium_shows_the_skip_and_the_lost_lock(
             )
             search.send_keys(run_id)
             try:
-                WebDriverWait(browser, 5).until(
+                WebDriverWait(browser, 20).until(
                     lambda b: (
                         {skipped.id, failed.id}
                         <= {
@@ -211,7 +217,7 @@ def test_flowers_tasks_page_in_chromium_shows_the_skip_and_the_lost_lock(
                 if task_id in row.text
             }
 
-        seen = wait_until(rows, 60, "Flower's tasks page to list both calls", 1)
+        seen = wait_until(rows, 90, "Flower's tasks page to list both calls", 1)
         shots = {"tasks": log_dir / "flower-tasks.png"}
         browser.save_screenshot(str(shots["tasks"]))
         # Each task's own page shows its result, or its exception.
