@@ -26,7 +26,7 @@ from pglock_celery.config import PglockConfig
 from pglock_celery.session import open_session
 from pglock_celery.sources import registry
 from tests.support.locks import STRATEGIES, free_elsewhere, lock
-from tests.support.services import wait_until
+from tests.support.services import over_unix_socket, wait_until
 
 pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across tests
 
@@ -153,17 +153,6 @@ def test_a_holder_learns_its_loss_when_a_killed_postmasters_backend_grants_its_n
     with pytest.raises(LockLost):
         held.ensure_held()
     assert told_after <= bound, (told_after, bound)
-
-
-def over_unix_socket(dsn: str) -> str:
-    """``dsn`` through the server's Unix socket (the first of its socket directories)."""
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT current_setting('unix_socket_directories')").fetchone()
-    directory = str(row[0] if row else "").split(",")[0].strip()
-    assert directory, "the server listens on no Unix socket"
-    params = conninfo_to_dict(dsn)
-    params.pop("hostaddr", None)
-    return make_conninfo(**{**params, "host": directory})
 
 
 @pytest.mark.parametrize("over", ["tcp", "unix"])

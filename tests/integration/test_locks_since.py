@@ -4,29 +4,17 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import psycopg
 
 from pglock_celery.sources import registry
+from tests.support.cli import cli
 from tests.support.locks import lock
 from tests.support.services import wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def locks_json(dsn: str, prefix: str) -> list[dict[str, object]]:
-    done = subprocess.run(
-        [sys.executable, "-m", "pglock_celery.cli", "locks", "--json", "--prefix", prefix],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env={**os.environ, "PGLOCK_DSN": dsn, "PYTHONPATH": str(ROOT)},
-    )
+    done = cli("locks", "--json", "--prefix", prefix, dsn=dsn)
     assert done.returncode == 0, done.stderr
     rows: list[dict[str, object]] = json.loads(done.stdout)
     return rows

@@ -19,27 +19,15 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from pglock_celery import LockLost
 from pglock_celery import session as session_module
 from pglock_celery.sources import base as sources_base
 from pglock_celery.sources import registry
 from tests.support.locks import free_elsewhere, lock
-from tests.support.services import wait_until
+from tests.support.services import over_unix_socket, wait_until
 
 pytestmark = pytest.mark.usefixtures("empty_cache")
-
-
-def over_unix_socket(dsn: str) -> str:
-    """``dsn`` through the server's Unix socket (the first of its socket directories)."""
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT current_setting('unix_socket_directories')").fetchone()
-    directory = str(row[0] if row else "").split(",")[0].strip()
-    assert directory, "the server listens on no Unix socket"
-    params = conninfo_to_dict(dsn)
-    params.pop("hostaddr", None)
-    return make_conninfo(**{**params, "host": directory})
 
 
 @pytest.fixture(params=["tcp", "unix"])

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 import redis
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tasks import services
 from tasks.services import LOCAL_BROKER, postgres_answers, wait_until
@@ -34,6 +34,7 @@ __all__ = [
     "EmbeddedPostgres",
     "EmbeddedRedis",
     "free_port",
+    "over_unix_socket",
     "own_database",
     "own_redis_database",
     "postgres_answers",
@@ -140,6 +141,17 @@ def postgres_for_tests(base: Path) -> contextlib.AbstractContextManager[str]:
 def redis_for_tests(base: Path) -> contextlib.AbstractContextManager[str]:
     """The URL of a server: PGLOCK_TEST_BROKER, else the local one, else an embedded one."""
     return services.redis_service(base, "PGLOCK_TEST_BROKER", LOCAL_BROKER, EmbeddedRedis)
+
+
+def over_unix_socket(dsn: str) -> str:
+    """``dsn`` through the server's Unix socket (the first of its socket directories)."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT current_setting('unix_socket_directories')").fetchone()
+    directory = str(row[0] if row else "").split(",")[0].strip()
+    assert directory, "the server listens on no Unix socket"
+    params = conninfo_to_dict(dsn)
+    params.pop("hostaddr", None)
+    return make_conninfo(**{**params, "host": directory})
 
 
 @contextlib.contextmanager
