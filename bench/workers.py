@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from tasks.services import wait_until
+from tasks.services import stop_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,10 +53,5 @@ def worker(
         wait_until(answers, 60, f"worker {node}")
         yield path
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, 30)
         log.close()

@@ -6,7 +6,6 @@ import contextlib
 import os
 import pwd
 import shutil
-import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import psycopg
 
 from .ci import missing
-from .services import free_port, wait_until
+from .services import free_port, stop_process, wait_until
 
 
 def _has_user(name: str) -> bool:
@@ -87,10 +86,5 @@ def pgbouncer(
         wait_until(answers, 20, "pgbouncer")
         yield dsn
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, 10)
         process.stderr.close()  # type: ignore[union-attr]

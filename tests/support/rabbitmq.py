@@ -12,14 +12,13 @@ import contextlib
 import os
 import pwd
 import shutil
-import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import kombu
 
-from tasks.services import embedded_only, free_port, wait_until
+from tasks.services import embedded_only, free_port, stop_process, wait_until
 
 from .ci import missing
 
@@ -139,12 +138,7 @@ class EmbeddedRabbitMQ:
     def stop(self) -> None:
         for process in reversed(self.processes):
             if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+                stop_process(process, 30)
         self.processes.clear()
 
 

@@ -26,7 +26,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tasks import services
-from tasks.services import LOCAL_BROKER, postgres_answers, wait_until
+from tasks.services import LOCAL_BROKER, postgres_answers, stop_process, wait_until
 
 LOCAL_TEST_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test"
 
@@ -41,6 +41,7 @@ __all__ = [
     "postgres_for_tests",
     "redis_for_tests",
     "scalar",
+    "stop_process",
     "wait_until",
 ]
 
