@@ -19,12 +19,15 @@ secret settings (``celery report``, ``celery inspect conf``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import math
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from types import MappingProxyType
 from typing import Any
 
@@ -39,18 +42,110 @@ from .patroni import parse_urls
 _CACHE_ATTRIBUTE = "_pglock_config"
 
 
+#: The most libpq and Postgres take for a parameter they read as a C int.
+_INT_MAX = 2**31 - 1
+
+_FINITE = "must be a finite number of seconds"
+
+
 def _positive_float(raw: Any) -> float:
-    value = float(raw)
+    """A finite number of seconds above 0, from a number or its text."""
+    if isinstance(raw, bool):
+        raise ValueError(f"must be a number of seconds, not {raw!r}")
+    try:
+        value = float(raw)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(_FINITE) from None
+    if not math.isfinite(value):
+        raise ValueError(_FINITE)
     if not value > 0:
         raise ValueError("must be greater than 0")
     return value
 
 
-def _positive_int(raw: Any) -> int:
-    value = int(raw)
-    if value <= 0:
-        raise ValueError("must be a whole number greater than 0")
+def _connect_timeout(raw: Any) -> float:
+    value = _positive_float(raw)
+    if math.ceil(value) > _INT_MAX:
+        raise ValueError(f"must be at most {_INT_MAX}: libpq takes it as a C int of seconds")
     return value
+
+
+def _milliseconds(zero: str) -> Callable[[Any], float]:
+    """A parser of seconds that libpq or Postgres take in whole milliseconds, as a C int.
+
+    ``zero`` says what 0 ms would mean: a value below 1 ms is refused rather than
+    sent as that.
+    """
+
+    def parse(raw: Any) -> float:
+        value = _positive_float(raw)
+        if value * 1000 < 1:
+            raise ValueError(
+                f"must be at least 0.001 (1 ms): it is sent in whole milliseconds, and 0 {zero}"
+            )
+        if value * 1000 > _INT_MAX:
+            raise ValueError(
+                f"must be at most {_INT_MAX / 1000} (2**31 - 1 ms): libpq and Postgres take it "
+                "as a C int of milliseconds"
+            )
+        return value
+
+    return parse
+
+
+def _check_interval(raw: Any) -> float:
+    value = _positive_float(raw)
+    if math.isinf(1.25 * value):
+        raise ValueError(
+            "must be small enough that 1.25 times it (the bound within which a loss is "
+            "noticed) is finite"
+        )
+    return value
+
+
+def _countdown(raw: Any) -> float:
+    value = _positive_float(raw)
+    # Celery dates a retry at now plus the countdown; a day more covers any time zone.
+    try:
+        datetime.now(timezone.utc) + timedelta(days=1, seconds=value)
+    except OverflowError:
+        raise ValueError(
+            "must be short enough that Celery's eta (now plus it) falls before the year 10000"
+        ) from None
+    return value
+
+
+def _integer(raw: Any, why: str) -> int:
+    """``raw`` as an int, exactly: an int, a whole float or the text of an int."""
+    if isinstance(raw, bool):
+        raise ValueError(why)
+    try:
+        value = int(raw)
+    except (TypeError, ValueError, OverflowError):  # "1e400", "inf", NaN, infinity
+        raise ValueError(why) from None
+    if not isinstance(raw, str) and value != raw:  # 2.5 is not truncated to 2
+        raise ValueError(why)
+    return value
+
+
+def _positive_int(raw: Any) -> int:
+    why = "must be a whole number greater than 0"
+    value = _integer(raw, why)
+    if value <= 0:
+        raise ValueError(why)
+    return value
+
+
+def _keepalive(option: str, most: int) -> Callable[[Any], int]:
+    """A parser of a TCP keepalive setting, which Linux refuses above ``most``."""
+
+    def parse(raw: Any) -> int:
+        value = _positive_int(raw)
+        if value > most:
+            raise ValueError(f"must be at most {most}, Linux's limit for {option}")
+        return value
+
+    return parse
 
 
 def _boolean(raw: Any) -> bool:
@@ -97,9 +192,10 @@ def _pooler(raw: Any) -> str:
 
 
 def _whole(raw: Any) -> int:
-    value = int(raw)
+    why = "must be a whole number, 0 or more"
+    value = _integer(raw, why)
     if value < 0:
-        raise ValueError("must be a whole number, 0 or more")
+        raise ValueError(why)
     return value
 
 
@@ -172,6 +268,22 @@ class PglockConfig:
     #: lock is valid only while its server is confirmed as the leader (patroni.py).
     patroni_url: tuple[str, ...] | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse a number that no lock session could use, as load_config does.
+
+        A config built directly (``AdvisoryLock(config=PglockConfig(...))``) skips the
+        parsers: an infinite timeout would otherwise fail every lock with a bare error.
+        """
+        problems: list[str] = []
+        for name in _NUMBERS:
+            value = getattr(self, name)
+            try:
+                _PARSERS[name](value)
+            except (TypeError, ValueError) as exc:
+                problems.append(f"{name}={value!r}: {exc}")
+        if problems:
+            raise ConfigurationError(f"invalid PglockConfig: {'; '.join(problems)}")
+
     @property
     def server_bound(self) -> float:
         """Seconds after which the server frees a cut-off holder's locks, at most.
@@ -218,33 +330,54 @@ class PglockConfig:
         return self.dsn
 
     def with_dsn(self, dsn: str | None) -> PglockConfig:
-        """Return this config with ``dsn`` in place of its own, when given."""
-        return self if dsn is None else dataclasses.replace(self, dsn=dsn)
+        """Return this config with ``dsn`` in place of its own, when given.
 
+        A copy, not checked again: its numbers are this config's, checked when it was
+        built (a few microseconds saved on every lock given a DSN), and require_dsn
+        checks the DSN at use.
+        """
+        if dsn is None:
+            return self
+        config = copy.copy(self)
+        object.__setattr__(config, "dsn", dsn)  # frozen: as dataclasses' own __init__ does
+        return config
+
+
+_KEEPIDLE = _keepalive("TCP_KEEPIDLE", 32767)
+_KEEPINTVL = _keepalive("TCP_KEEPINTVL", 32767)
+_KEEPCNT = _keepalive("TCP_KEEPCNT", 127)
+_USER_TIMEOUT = _milliseconds("would mean the system's default")
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "dsn": _dsn,
-    "connect_timeout": _positive_float,
+    "connect_timeout": _connect_timeout,
     "application_name": _application_name,
-    "keepalives_idle": _positive_int,
-    "keepalives_interval": _positive_int,
-    "keepalives_count": _positive_int,
-    "tcp_user_timeout": _positive_float,
-    "server_keepalives_idle": _positive_int,
-    "server_keepalives_interval": _positive_int,
-    "server_keepalives_count": _positive_int,
-    "server_tcp_user_timeout": _positive_float,
-    "server_connection_check_interval": _positive_float,
-    "check_interval": _positive_float,
+    "keepalives_idle": _KEEPIDLE,
+    "keepalives_interval": _KEEPINTVL,
+    "keepalives_count": _KEEPCNT,
+    "tcp_user_timeout": _USER_TIMEOUT,
+    "server_keepalives_idle": _KEEPIDLE,
+    "server_keepalives_interval": _KEEPINTVL,
+    "server_keepalives_count": _KEEPCNT,
+    "server_tcp_user_timeout": _USER_TIMEOUT,
+    "server_connection_check_interval": _milliseconds("would turn the check off"),
+    "check_interval": _check_interval,
     "on_lost": _reaction,
     "strategy": _strategy,
     "idle_sessions": _whole,
     "shared_sessions": _positive_int,
-    "retry_countdown": _positive_float,
+    "retry_countdown": _countdown,
     "report_holder": _boolean,
     "pooler": _pooler,
     "patroni_url": _patroni_url,
 }
+
+#: The settings that are numbers: checked again on a PglockConfig built directly.
+_NUMBERS = tuple(
+    field.name
+    for field in dataclasses.fields(PglockConfig)
+    if isinstance(field.default, (int, float)) and not isinstance(field.default, bool)
+)
 
 #: Every setting: (app.conf key, environment variable, default).
 SETTINGS: tuple[tuple[str, str, Any], ...] = tuple(
