@@ -62,7 +62,7 @@ from psycopg.conninfo import conninfo_to_dict
 from .dsn import describe_target, redact
 from .exceptions import ConfigurationError, LockTimeout, LockUnavailable
 from .keys import lock_key
-from .sql import HELD_SETTING, OTHERS_SETTING
+from .sql import HELD_SETTING
 
 #: The SQLSTATE of a refused write. psycopg raises it as a ``ProgrammingError``
 #: (code class ``P``): not an IntegrityError that an ORM might swallow, nor a
@@ -131,10 +131,8 @@ DECLARE
   holder_name text;
 BEGIN
   IF pg_catalog.pg_try_advisory_xact_lock_shared(key) THEN
-    -- Nobody else holds it: does this session, by hand-rolled pg_advisory_lock? Not
-    -- when the key is another holder's on a shared session ({OTHERS_SETTING}).
-    IF pg_catalog.strpos(coalesce(pg_catalog.current_setting('{OTHERS_SETTING}', true), ''),
-        pg_catalog.concat(',', key, ',')) = 0 AND EXISTS (
+    -- Nobody else holds it: does this session, by hand-rolled pg_advisory_lock?
+    IF EXISTS (
       SELECT FROM pg_catalog.pg_locks
       WHERE locktype = 'advisory' AND database = db AND objsubid = 1
         AND classid = ((key >> 32) & 4294967295)::oid AND objid = (key & 4294967295)::oid

@@ -20,6 +20,8 @@ from typing import Any
 import psycopg
 from psycopg import pq, waiting
 
+from .shield import library_code
+
 
 def _green_select() -> str | None:
     """Which green library made ``select`` cooperative since psycopg was imported, if any.
@@ -74,7 +76,15 @@ CANCEL_WAIT = 5.0
 
 
 class SessionConnection(psycopg.Connection[Any]):
-    """A psycopg connection whose waits yield to gevent's or eventlet's hub when in use."""
+    """A psycopg connection whose waits yield to gevent's or eventlet's hub when in use.
+
+    The library's own connection on a session waits at most ``statement_deadline``
+    seconds for the server (a holder's handle has no such bound: its statements
+    may legitimately run long).
+    """
+
+    #: Seconds any one wait may last (None: no bound).
+    statement_deadline: float | None = None
 
     def wait(
         self,
@@ -82,44 +92,37 @@ class SessionConnection(psycopg.Connection[Any]):
         interval: float = 0.1,
         timeout: float | None = None,
     ) -> Any:
+        if timeout is None:
+            timeout = self.statement_deadline
         green = green_wait()
-        try:
-            if green is not None:
-                return green(gen, self.pgconn.socket, interval=interval)
-            return super().wait(gen, interval, timeout)
-        except psycopg.Error:
-            raise
-        except BaseException:
-            # A time limit (SoftTimeLimitExceeded, gevent.Timeout) cut the wait: the
-            # statement would run on and leave the session busy for everyone on it.
-            finish_interrupted(self, gen, green or waiting.wait)
-            raise
+        # A lost lock's interrupt waits until the statement is over: the session is cut
+        # first (monitor.Hold.mark_lost), so the statement ends at once all the same.
+        with library_code():
+            try:
+                if green is not None:
+                    return green(gen, self.pgconn.socket, interval=interval, timeout=timeout)
+                return super().wait(gen, interval, timeout)
+            except psycopg.Error:
+                raise
+            except BaseException:
+                # A time limit (SoftTimeLimitExceeded, gevent.Timeout) cut the wait: the
+                # statement would run on and leave the session busy for everyone on it.
+                finish_interrupted(self, gen, green or waiting.wait)
+                raise
 
 
 class HandleConnection(SessionConnection):
     """A holder's handle: closing it (``with conn:``) revokes it, never the session.
 
     Its libpq connection is the session's own, which revoking cannot take back
-    from code that kept it: when code other than psycopg's (and ours) reads
-    ``pgconn``, the session is marked, and is closed at release instead of
-    serving another holder (a kept pgconn then finds it closed).
+    from code that kept it (``conn.info.pgconn``, a cursor): a session whose
+    libpq connection is still referred to after release is closed instead of
+    serving another holder (session.LockSession.referenced_elsewhere), so what was
+    kept finds it closed.
     """
 
     #: Revokes this handle with a message (set by the session that made it).
     on_close: Callable[[psycopg.Connection[Any], str], None]
-    #: Called when code outside psycopg and this library reads ``pgconn``.
-    on_expose: Callable[[], None] = staticmethod(lambda: None)
-
-    @property
-    def pgconn(self) -> pq.abc.PGconn:
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        if not caller.startswith(("psycopg", "pglock_celery")):
-            self.on_expose()
-        return self._pgconn
-
-    @pgconn.setter
-    def pgconn(self, value: pq.abc.PGconn) -> None:
-        self._pgconn = value
 
     def close(self) -> None:
         if not self.closed:

@@ -25,8 +25,10 @@ from .config import PglockConfig, get_config
 from .exceptions import LockLost, PglockError
 from .inspect import Holder
 from .keys import cached_lock_key, check_key, check_lock_name, check_timeout, lock_key
+from .loss import Loss
 from .monitor import Hold, LossHandler
 from .session import compose_holder_name, holder_name
+from .shield import library_code
 from .sources import registry
 from .sources.base import Source
 
@@ -116,12 +118,19 @@ class AdvisoryLock:
         attribute at its default, and every statement through it (or a cursor
         made from it) fails once the lock is released.
         """
-        hold = self._held_here("it has no connection")
-        return self._source.connection(hold)
+        with library_code():
+            hold = self._held_here("it has no connection")
+            return self._source.connection(hold)
 
     @property
     def lost_reason(self) -> str | None:
-        """Why the lock was found lost while held, or None."""
+        """Why the lock was found lost while held (for people), or None."""
+        loss = self.loss
+        return loss.detail if loss is not None else None
+
+    @property
+    def loss(self) -> Loss | None:
+        """How the lock was found lost while held (its kind and detail), or None."""
         return self._hold.lost if self._hold is not None else None
 
     def __repr__(self) -> str:
@@ -139,6 +148,8 @@ class AdvisoryLock:
             )
         if hold.ended:
             raise LockLost(f"lock {self.label} was released: {what}")
+        if hold.lost is not None:
+            raise LockLost(f"lock {self.label} was lost: {hold.lost}")
         return hold
 
     def acquire(self) -> bool:
@@ -166,11 +177,11 @@ class AdvisoryLock:
         )
         granted = source.acquire(hold, wait=self._wait, timeout=self._timeout)
         if granted and source.fence is not None:
-            problem = source.leader_problem(hold.session)
-            if problem is not None:  # a lock on a server that may not lead is no lock
+            loss = source.leader_problem(hold.session)
+            if loss is not None:  # a lock on a server that may not lead is no lock
                 with contextlib.suppress(PglockError):
                     source.release(hold, clean=False)
-                raise LockLost(f"lock {self.label} was granted but not valid: {problem}")
+                raise LockLost(f"lock {self.label} was granted but not valid: {loss}")
         self._hold = hold
         if granted:
             monitor.watch(hold)
@@ -190,37 +201,42 @@ class AdvisoryLock:
         return self._source.holder(hold) if hold is not None else None
 
     def held(self) -> bool:
-        """Ask Postgres whether this session still holds the lock.
+        """Ask Postgres whether this session still holds the lock; always a bool.
 
-        A session that cannot be asked (closed, broken) holds nothing. Inside
-        the body's transaction only the session's life can be checked without
-        disturbing the transaction; the lock lives as long as the session.
+        A session that cannot be asked (closed, broken) holds nothing. A session
+        busy in the holder's pipeline, COPY or transaction is judged from outside
+        (its socket, the server's view). A loss found here is handled whole (the
+        session cut off, the holder's loss handler told) before False returns; no
+        LockLost is raised from it.
         """
-        if not self.acquired:
-            return False
-        hold = self._hold
-        assert hold is not None and hold.session is not None
-        if hold.lost is not None:
-            return False
-        reason = self._source.check(hold, wait=True)
-        if reason is not None:
-            hold.mark_lost(reason)
-            return False
-        return not hold.session.closed
+        with library_code():
+            if not self.acquired:
+                return False
+            hold = self._hold
+            assert hold is not None and hold.session is not None
+            if hold.lost is not None:
+                return False
+            loss = self._source.check(hold, wait=True)
+            if loss is not None:
+                hold.mark_lost(loss)
+                return False
+            return not hold.session.closed
 
     def ensure_held(self) -> None:
         """Raise LockLost unless Postgres confirms the lock is still held."""
-        if not self.held():
-            hold = self._hold
-            if hold is not None and hold.lost is not None:
-                raise LockLost(f"lock {self.label} was lost: {hold.lost}")
-            raise LockLost(f"lock {self.label} (key {self.key}) is no longer held")
+        with library_code():
+            if not self.held():
+                hold = self._hold
+                if hold is not None and hold.lost is not None:
+                    raise LockLost(f"lock {self.label} was lost: {hold.lost}")
+                raise LockLost(f"lock {self.label} (key {self.key}) is no longer held")
 
     def sleep(self, seconds: float) -> None:
         """Sleep, but raise LockLost as soon as the lock is found lost."""
-        hold = self._held_here("nothing to sleep under")
-        if hold.wait(seconds) and hold.lost is not None:
-            raise LockLost(f"lock {self.label} was lost: {hold.lost}")
+        with library_code():
+            hold = self._held_here("nothing to sleep under")
+            if hold.wait(seconds) and hold.lost is not None:
+                raise LockLost(f"lock {self.label} was lost: {hold.lost}")
 
     def release(self, reusable: bool = True, *, confirm: bool = False) -> None:
         """Unlock, wait until the server freed the lock, and let the session go; idempotent.
@@ -252,12 +268,15 @@ class AdvisoryLock:
     def transaction(self) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
         """Yield the lock's connection inside a transaction that commits only while held.
 
-        The lock can only go with its session, and then the commit fails too.
-        Under strategy ``shared`` the transaction has the session to itself
-        (other holders on it wait), and what it left on the session is reset.
+        It first proves, without waiting, that the session still holds the lock
+        (LockLost at once when not: it never takes the lock back), keeps it pinned
+        for the transaction, and asks the leader fence again before the commit.
+        Under strategy ``shared`` it refuses (PglockError): a shared session never
+        runs a holder's SQL.
         """
-        hold = self._held_here("no transaction without it")
-        return self._source.transaction(hold)
+        with library_code():
+            hold = self._held_here("no transaction without it")
+            return self._source.transaction(hold)
 
     def __enter__(self) -> AdvisoryLock:
         self.acquire()

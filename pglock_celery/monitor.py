@@ -15,9 +15,12 @@ session hung in a statement does not stop the others being checked. A thread
 that cannot be started is tried again at the next pass, the check meanwhile run
 by the scheduler itself.
 
-A loss is logged, marks the hold lost, lets the source deal with the session
-(end a session that lives on without the lock; a failed shared session takes
-every lock on it) and is handed to the holder's loss handler.
+A loss (a :class:`~.loss.Loss`, its kind chosen where it was found) is handled
+in one order that nothing cuts short: it is recorded on the hold, the source ends
+the holder's use of the session (a dedicated session is cut, so no statement of
+the holder's reaches the server after; a shared session that failed takes every
+lock on it), and only then is the holder told (its loss handler: an event, the
+interrupt).
 
 A :class:`Body` is the code running under a hold, and how to raise LockLost
 inside it from the thread that found the loss (``pglock_on_lost = "interrupt"``):
@@ -26,7 +29,10 @@ a greenlet (gevent, eventlet) is thrown into by its hub; the main thread
 (the threads pool) gets an asynchronous exception, which CPython raises at its
 next bytecode (not inside a blocking C call such as ``time.sleep``: it comes
 when that returns). Nothing is sent once the body has returned (an asynchronous
-exception sent a moment before may surface as the call ends: see Body.end).
+exception sent a moment before may surface as the call ends: see Body.end), nor
+to a body that found the loss itself (it learns from what it called), and an
+interrupt that comes while the body is inside the library's code is held back
+until that code returns (shield.py).
 """
 
 from __future__ import annotations
@@ -47,12 +53,14 @@ import psycopg
 
 from .config import PglockConfig
 from .exceptions import LockLost
+from .loss import Loss
 from .session import LockSession
+from .shield import running_body
 
 logger = logging.getLogger("pglock_celery.lock")
 
-#: Called (from a monitor thread) when a held lock is found lost.
-LossHandler = Callable[["Hold", str], None]
+#: Called (from a monitor thread, or the body's own) when a held lock is found lost.
+LossHandler = Callable[["Hold", Loss], None]
 
 
 def one_line(exc: BaseException) -> str:
@@ -64,11 +72,10 @@ class Source(Protocol):
 
     monitor: Monitor
 
-    def check(self, hold: Hold, *, wait: bool) -> str | None: ...
+    def check(self, hold: Hold, *, wait: bool) -> Loss | None: ...
 
-    def cut_off(self, hold: Hold, reason: str) -> None: ...
-
-    def lost(self, hold: Hold, reason: str) -> None: ...
+    def end_use(self, hold: Hold, loss: Loss) -> None:
+        """End the holder's use of its session after ``loss``, never waiting for it."""
 
 
 class Hold:
@@ -101,8 +108,8 @@ class Hold:
         self.session: LockSession | None = None
         self.granted = False
         self.since = time.monotonic()
-        #: Why the lock was found lost, or None.
-        self.lost: str | None = None
+        #: How the lock was found lost, or None.
+        self.lost: Loss | None = None
         self.ended = False
         #: The holder's connection (dedicated) or its transaction's (shared).
         self.handle: psycopg.Connection[Any] | None = None
@@ -135,41 +142,43 @@ class Hold:
             return True
         return changed.wait(seconds)
 
-    def mark_lost(self, reason: str) -> None:
-        """Record a loss once: log it, stop the holder's statement, tell, end the session.
+    def mark_lost(self, loss: Loss) -> None:
+        """Handle a loss once, whole: record it, end the session's use, then tell.
 
         Never waits for the session: a statement of the holder's may be waiting on a
         server that will never answer it (frozen, deposed), and the holder must be
-        told all the same.
+        told all the same. The session's use is ended before anyone is told, so no
+        statement of the holder's runs after its loss was found. A hold still
+        waiting for its lock is only cut off (its wait fails: the caller raises).
         """
         if self.session is None:
             return
         with self._state:
             if self.lost is not None or self.ended:
                 return
-            self.lost = reason
+            self.lost = loss
+        self.source.end_use(self, loss)
         self._signal()
+        if not self.granted:
+            return
         self.source.monitor.count_loss("while_held")
         logger.error(
             "lock %s lost by %s (task %s): %s",
             self.label,
             self.application_name,
             self.task_id,
-            reason,
+            loss.detail,
             extra={
                 "lock": self.label,
                 "key": self.key,
                 "task_id": self.task_id,
                 "holder": self.application_name,
-                "reason": reason,
+                "reason": loss.detail,
+                "loss": loss.kind.value,
             },
         )
-        # A statement under way fails first, so that an interrupted body finds its
-        # connection already cut; then the body is told; ending the session may wait.
-        self.source.cut_off(self, reason)
         if self.on_lost is not None:
-            self.on_lost(self, reason)
-        self.source.lost(self, reason)
+            self.on_lost(self, loss)
 
 
 class Monitor:
@@ -212,7 +221,7 @@ class Monitor:
     def _on_interrupt_signal(self, signum: int, frame: FrameType | None) -> None:
         while self.interrupted:
             body = self.interrupted.pop()
-            if body.running:
+            if body.arrived():
                 raise body.lost()
 
     def count_loss(self, when: str) -> None:
@@ -343,9 +352,9 @@ class Monitor:
     def _check(self, hold: Hold) -> None:
         try:
             if not hold.ended and hold.lost is None:
-                reason = hold.source.check(hold, wait=False)
-                if reason is not None:
-                    hold.mark_lost(reason)
+                loss = hold.source.check(hold, wait=False)
+                if loss is not None:
+                    hold.mark_lost(loss)
         except Exception:
             logger.exception("lock %s: the loss check failed", hold.label)
         finally:
@@ -374,16 +383,23 @@ class Body:
     """The code running under a hold, and how to raise LockLost inside it.
 
     Made in the thread (or greenlet) that runs the body, just before it runs;
-    ``running`` is set around the body by its runner, which calls :meth:`end`
-    after it. :meth:`interrupt` may be called from any thread.
+    its runner calls :meth:`start` and :meth:`end` around the body.
+    :meth:`interrupt` may be called from any thread.
     """
 
     def __init__(self, label: str, monitor: Monitor) -> None:
         self.label = label
         self.running = False
         self.reason: str | None = None
-        self._mutex = threading.Lock()
+        # Re-entrant: the signal handler (arrived()) may run in the main thread's body
+        # while that thread holds it (enter_library, leave_library).
+        self._mutex = threading.RLock()
         self._monitor = monitor
+        # How deep the body is in the library's code now (shield.py), and whether
+        # an interrupt waits for it to come out.
+        self._inside = 0
+        self._held_back = False
+        self._context_token: Any = None
         # What runs the body: a gevent or eventlet greenlet, the main thread, a thread.
         self._kind: str = "thread"
         self._target: Any = threading.get_ident()
@@ -399,12 +415,34 @@ class Body:
             if not monitor.interrupt_handler_installed:
                 monitor.install_interrupt_handler()
 
+    def start(self) -> None:
+        """The body starts (in its own thread or greenlet): it may be interrupted now."""
+        self._context_token = running_body.set(self)
+        self.running = True
+
+    def _is_here(self) -> bool:
+        """Whether the caller runs in the body's own thread or greenlet."""
+        if self._kind in ("gevent", "eventlet"):
+            greenlet = sys.modules.get("greenlet")
+            return greenlet is not None and bool(greenlet.getcurrent() is self._target)
+        return bool(threading.get_ident() == self._target)
+
     def interrupt(self, reason: str) -> bool:
-        """Raise LockLost inside the running body; whether it was still running."""
+        """Raise LockLost inside the running body; whether it was still running.
+
+        Found by the body itself (``held()``, a transaction's proof), nothing is
+        sent: it learns from what it called. Inside the library's code, the
+        interrupt is held back until that code returns.
+        """
         with self._mutex:
             if not self.running or self.reason is not None:
                 return False
             self.reason = reason
+            if self._is_here():
+                return True
+            if self._inside:
+                self._held_back = True
+                return True
             if self._kind == "main":
                 self._monitor.interrupted.append(self)
                 signal.pthread_kill(self._target, INTERRUPT_SIGNAL)
@@ -420,6 +458,34 @@ class Body:
                 hubs.get_hub().schedule_call_global(0, self._throw)
             return True
 
+    def enter_library(self) -> None:
+        with self._mutex:
+            self._inside += 1
+
+    def leave_library(self) -> None:
+        """Leave the library's code; raise the interrupt held back meanwhile, if any."""
+        with self._mutex:
+            self._inside -= 1
+            due = self._held_back and not self._inside and self.running
+            if due:
+                self._held_back = False
+        if due:
+            raise self.lost()
+
+    def arrived(self) -> bool:
+        """In the body's thread (the signal handler): raise now, or hold it back?
+
+        True when LockLost is to be raised where the body is; inside the
+        library's code it is held back for leave_library.
+        """
+        with self._mutex:
+            if not self.running:
+                return False
+            if self._inside:
+                self._held_back = True
+                return False
+            return True
+
     def end(self) -> None:
         """The body returned: nothing is sent to it from now on.
 
@@ -430,10 +496,14 @@ class Body:
         """
         with self._mutex:
             self.running = False
+            self._held_back = False
+        if self._context_token is not None:
+            running_body.reset(self._context_token)
+            self._context_token = None
 
     def _throw(self) -> None:
         """In the hub: throw into the body's greenlet, unless it has ended meanwhile."""
-        if self.running:
+        if self.arrived():
             self._target.throw(self.lost())
 
     def lost(self) -> LockLost:

@@ -102,6 +102,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import email.utils
+import enum
 import json
 import math
 import threading
@@ -206,18 +207,31 @@ def server_identity(conn: psycopg.Connection[Any]) -> ServerIdentity:
     return ServerIdentity(conn.info.host, int(conn.info.port), row[0])
 
 
+class Standing(enum.Enum):
+    """What a member's answer says of a server (what the fence decides on)."""
+
+    LEADER = "leader"
+    #: Patroni says another member leads, or the server is not a running primary.
+    NOT_LEADER = "not the leader"
+    #: No answer that settles it (no reply, an expired view of the DCS, failsafe).
+    CANNOT_TELL = "cannot tell"
+    #: The member asked runs another postmaster: ask the one that runs it.
+    ELSEWHERE = "another server"
+
+
 @dataclasses.dataclass(frozen=True)
 class Confirmation:
     """The fence's answer: leader until ``until`` (time.monotonic()), or not and why.
 
-    ``leader`` False covers both "another member leads" and "cannot tell"; ``reason``
-    says which, naming the member by host and port.
+    ``standing`` is what the fence and the lock act on; ``reason`` is for people,
+    naming the member by host and port.
     """
 
     leader: bool
     until: float
     reason: str = ""
     member: str | None = None
+    standing: Standing = Standing.CANNOT_TELL
 
     def valid(self, now: float | None = None, *, for_at_least: float = 0.0) -> bool:
         """True while it confirms leadership for ``for_at_least`` more seconds."""
@@ -308,8 +322,10 @@ def judge(
     ``member`` names the member (host:port) in reasons. Pure: no I/O, no clock.
     """
 
-    def refuse(reason: str) -> Confirmation:
-        return Confirmation(False, 0.0, f"{reason} (Patroni member at {member})", _name(body))
+    def refuse(reason: str, standing: Standing = Standing.CANNOT_TELL) -> Confirmation:
+        return Confirmation(
+            False, 0.0, f"{reason} (Patroni member at {member})", _name(body), standing
+        )
 
     body = answer.body
     if answer.status == 0:
@@ -322,15 +338,19 @@ def judge(
     if started != server.started_at:
         return refuse(
             "cannot tell: it runs another postmaster than the lock session's server "
-            "(restarted, or another member)"
+            "(restarted, or another member)",
+            Standing.ELSEWHERE,
         )
     if answer.status == 503:
-        return refuse("not the leader: Patroni says it does not hold the leader key")
+        return refuse(
+            "not the leader: Patroni says it does not hold the leader key", Standing.NOT_LEADER
+        )
     if answer.status != 200:
         return refuse(f"cannot tell: HTTP {answer.status}")
     if body.get("role") != "primary" or body.get("state") != "running":
         return refuse(
-            f"not the leader: its Postgres is {body.get('role')!s}, {body.get('state')!s}"
+            f"not the leader: its Postgres is {body.get('role')!s}, {body.get('state')!s}",
+            Standing.NOT_LEADER,
         )
     if body.get("cluster_unlocked"):
         return refuse("cannot tell: its view of the DCS has no leader or has expired")
@@ -347,7 +367,7 @@ def judge(
             f"cannot tell: Patroni's ttl {timing.ttl:g} s is too short for its loop_wait "
             f"{timing.loop_wait:g} s and retry_timeout {timing.retry_timeout:g} s"
         )
-    return Confirmation(True, sent_at + window, "", _name(body))
+    return Confirmation(True, sent_at + window, "", _name(body), Standing.LEADER)
 
 
 class LeaderFence:
@@ -416,7 +436,7 @@ class LeaderFence:
             return timing
         if url is not None:
             verdict = self._ask(url, server, timing)
-            if not verdict.reason.startswith("cannot tell: it runs another postmaster"):
+            if verdict.standing is not Standing.ELSEWHERE:
                 return self._keep(server, url, verdict)
         return self._search(server, timing)
 
@@ -442,10 +462,9 @@ class LeaderFence:
         with concurrent.futures.ThreadPoolExecutor(len(self.urls)) as pool:
             verdicts = list(pool.map(lambda url: self._ask(url, server, timing), self.urls))
         for url, verdict in zip(self.urls, verdicts, strict=True):
-            if verdict.leader or not verdict.reason.startswith("cannot tell"):
+            if verdict.standing in (Standing.LEADER, Standing.NOT_LEADER):
                 return self._keep(server, url, verdict)
-        other = "cannot tell: it runs another postmaster"
-        reasons = [v.reason for v in verdicts if not v.reason.startswith(other)]
+        reasons = [v.reason for v in verdicts if v.standing is not Standing.ELSEWHERE]
         detail = "; ".join(dict.fromkeys(reasons)) if reasons else "none runs it"
         return Confirmation(
             False, 0.0,

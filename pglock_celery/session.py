@@ -30,6 +30,7 @@ import math
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -220,6 +221,40 @@ def connect_kwargs(config: PglockConfig, app_name: str, token: str = "-") -> dic
     }
 
 
+@functools.lru_cache(maxsize=64)
+def _addresses(dsn: str) -> int:
+    """How many addresses libpq may try for ``dsn`` (each host's, one per socket directory)."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return 1
+    hosts = str(params.get("hostaddr") or params.get("host") or "").split(",")
+    ports = str(params.get("port") or "5432").split(",")
+    count = 0
+    for at, host in enumerate(hosts):
+        port = ports[at] if at < len(ports) else ports[-1]
+        if not host or host.startswith("/") or params.get("hostaddr"):
+            count += 1
+            continue
+        try:
+            found = socket.getaddrinfo(host, port or None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            found = []
+        count += max(1, len({address[4] for address in found}))
+    return max(1, count)
+
+
+def open_bound(config: PglockConfig) -> float:
+    """The longest an open_session can take, in seconds: what a fork may wait for.
+
+    libpq gives each address it tries the whole connect timeout (whole seconds, at
+    least 2); then the session's checks each have the statement deadline.
+    """
+    per_address = max(2, math.ceil(config.connect_timeout))
+    deadline = max(STATEMENT_DEADLINE, config.tcp_user_timeout)
+    return _addresses(config.require_dsn()) * per_address + 2 * deadline
+
+
 def open_session(config: PglockConfig, app_name: str) -> LockSession:
     """Open a dedicated lock session and prove it, or raise LockUnavailable saying why.
 
@@ -236,8 +271,10 @@ def open_session(config: PglockConfig, app_name: str) -> LockSession:
         raise LockUnavailable(
             f"cannot open a lock session to {where}: {redact(reason, dsn)}"
         ) from exc
+    # The library's own statements on it never wait for ever on a frozen server.
+    conn.statement_deadline = max(STATEMENT_DEADLINE, config.tcp_user_timeout)
     try:
-        backend_pid, pooled = _verify_session(conn, config, token)
+        backend_pid, pooled, started = _verify_session(conn, config, token)
         identity = server_identity(conn) if config.patroni_url else None
     except psycopg.Error as exc:
         conn.close()
@@ -249,6 +286,7 @@ def open_session(config: PglockConfig, app_name: str) -> LockSession:
         conn.close()
         raise
     session = LockSession(conn, dsn, backend_pid=backend_pid, token=token, pooled=pooled)
+    session.backend_started, session.server_started = started
     session.identity = identity
     session.statement_deadline = max(STATEMENT_DEADLINE, config.tcp_user_timeout)
     return session
@@ -256,10 +294,11 @@ def open_session(config: PglockConfig, app_name: str) -> LockSession:
 
 def _verify_session(
     conn: psycopg.Connection[Any], config: PglockConfig, token: str
-) -> tuple[int, bool]:
+) -> tuple[int, bool, tuple[int, int]]:
     """Prove that ``conn`` is a backend of its own with our settings.
 
-    Returns the server's backend pid and whether the session goes through a pooler.
+    Returns the server's backend pid, whether the session goes through a pooler,
+    and when its backend and its server started (microseconds, for probe.py).
 
     A session lock belongs to one server backend. Connected directly, the
     backend's pid is the one libpq got at startup, and the startup options
@@ -271,9 +310,10 @@ def _verify_session(
     """
     row = conn.execute(sql.VERIFY_SESSION, (sql.SESSION_TOKEN_SETTING,)).fetchone()
     assert row is not None
-    backend_pid, seen = row
+    backend_pid, seen, backend_started, server_started = row
+    started = (backend_started, server_started)
     if backend_pid == conn.info.backend_pid and seen == token:
-        return backend_pid, False
+        return backend_pid, False, started
     if config.pooler != "session":
         conn.close()
         found = (
@@ -289,7 +329,7 @@ def _verify_session(
             'pglock_pooler = "session" if it is a session-mode pooler'
         )
     apply_settings(conn, config, token)
-    return backend_pid, True
+    return backend_pid, True, started
 
 
 def apply_settings(conn: psycopg.Connection[Any], config: PglockConfig, token: str) -> None:
@@ -352,9 +392,10 @@ class LockSession:
         self._prepared: set[bytes] = set()
         #: Whether a holder got a handle since the session was last reset.
         self.handed_out = False
-        #: Whether a holder's code read its handle's libpq connection, which it may
-        #: keep: such a session never serves another holder (handles.py).
-        self.pgconn_exposed = False
+        #: When the session's backend and its server started (microseconds since
+        #: 1970, as the server reports them): how probe.py knows them again.
+        self.backend_started: int | None = None
+        self.server_started: int | None = None
         #: Seconds the library waits for the answer to one of its statements.
         self.statement_deadline: float | None = None
         #: The server the session is on, for the Patroni fence (when configured).
@@ -367,6 +408,9 @@ class LockSession:
         # Which socket is the session's (its inode: unique among open sockets), to
         # know it again before cutting it (cut()).
         self._socket_inode = os.fstat(self.pgconn.socket).st_ino
+        # What refers to the libpq connection while nobody but the session does (its
+        # own attribute and its library connection's): see referenced_elsewhere().
+        self._own_references = sys.getrefcount(self.pgconn)
 
     def __repr__(self) -> str:
         return f"<LockSession backend {self.backend_pid} of process {self.pid}>"
@@ -379,15 +423,21 @@ class LockSession:
         """Return a connection for the holder: pristine client state, dies at revoke."""
         handle = HandleConnection(self.pgconn)
         handle.on_close = self.revoke_one
-        handle.on_expose = self._exposed
         handle.lock = self.guard  # type: ignore[assignment]
         handle.autocommit = True
         self._handles.append(handle)
         self.handed_out = True
         return handle
 
-    def _exposed(self) -> None:
-        self.pgconn_exposed = True
+    def referenced_elsewhere(self) -> bool:
+        """Whether anything but the session refers to its libpq connection (after revoke).
+
+        A holder's code may have kept it (``conn.info.pgconn``, a cursor, a
+        transaction or copy object, a pipeline): such a session is never handed to
+        another holder, since what was kept could still drive it. Decided by what
+        refers to the object, not by who read it.
+        """
+        return sys.getrefcount(self.pgconn) > self._own_references
 
     def revoke(self, message: str) -> None:
         """Make every handle given out so far fail on its next statement."""
@@ -406,35 +456,59 @@ class LockSession:
     def alive(self) -> bool:
         """Whether the server still has the session, read from the socket without a statement.
 
-        Safe in any state between statements (idle, inside the body's
-        transaction): it only peeks, so libpq and the body's transaction see
-        exactly what they would have seen. A server that ends a session says so
-        (an error, or a warning when a crash resets every backend) and closes
-        the socket; a cut-off peer fails the client keepalives, which errors it.
+        Safe in any state, from any thread: it only peeks (never consuming what
+        libpq or a holder's statement will read), on the session's own socket only
+        (a duplicate pins it, known by its inode). Between statements, anything
+        the server sent unasked is its goodbye (an error, or a warning when a crash
+        resets every backend); while a statement, a pipeline or a COPY is under way
+        only a FATAL or PANIC error, or a connection-ending SQLSTATE (class 57P),
+        is: the rest is the holder's results. A closed or reset connection, or one
+        the keepalives found dead, is not alive either.
         """
-        if self.pgconn.status == pq.ConnStatus.BAD:
+        if self.pid != os.getpid() or self.pgconn.status == pq.ConnStatus.BAD:
             return False
         try:
-            # The C socket: gevent's and eventlet's would wait for data instead.
-            sock = _socket.socket(fileno=self.pgconn.socket)
+            pinned = os.dup(self.pgconn.socket)
         except (psycopg.Error, OSError):
             return False
         try:
-            pending = sock.recv(_PEEK_BYTES, _socket.MSG_PEEK | _socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return True  # nothing arrived: the usual case
-        except OSError:
-            return False  # reset, or keepalives found the peer gone
+            if os.fstat(pinned).st_ino != self._socket_inode:
+                return False  # libpq closed it, and the number is another file's now
+            # The C socket: gevent's and eventlet's would wait for data instead.
+            sock = _socket.socket(fileno=pinned)
+            try:
+                pending = sock.recv(_PEEK_BYTES, _socket.MSG_PEEK | _socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return True  # nothing arrived: the usual case
+            except OSError:
+                return False  # reset, or keepalives found the peer gone
+            finally:
+                sock.detach()
         finally:
-            sock.detach()
+            os.close(pinned)
         if not pending:
             return False  # the server closed the connection
+        between_statements = (
+            self.pgconn.transaction_status in _BETWEEN_STATEMENTS
+            and not self.pgconn.pipeline_status
+        )
         if self.pgconn.ssl_in_use:
-            # Unasked data between statements is the server's goodbye in practice
-            # (notifications wait for the end of a transaction); encrypted, it
-            # cannot be read without consuming it.
-            return self.pgconn.transaction_status == pq.TransactionStatus.IDLE
-        return not any(kind in _GOODBYES for kind in _message_types(pending))
+            # Encrypted, it cannot be read without consuming it. Unasked data on an
+            # idle session is the server's goodbye in practice (notifications wait
+            # for the end of a transaction); otherwise it may be results.
+            return not (
+                between_statements and self.pgconn.transaction_status == pq.TransactionStatus.IDLE
+            )
+        if between_statements and not self.guard_is_taken():
+            return not any(kind in _GOODBYES for kind, _ in _messages(pending))
+        return not any(_ends_the_session(kind, body) for kind, body in _messages(pending))
+
+    def guard_is_taken(self) -> bool:
+        """Whether a statement of someone's is under way (the guard is held elsewhere)."""
+        if self.guard.acquire(blocking=False):
+            self.guard.release()
+            return False
+        return True
 
     def cut(self) -> None:
         """Shut the session's connection down both ways, without closing its descriptor.
@@ -564,10 +638,39 @@ class LockSession:
         self.conn.pgconn = dead_pgconn()
 
 
-def _message_types(data: bytes) -> list[bytes]:
-    """The type bytes of the protocol messages that start ``data`` (type, int32 length)."""
-    types, at = [], 0
+def _messages(data: bytes) -> list[tuple[bytes, bytes]]:
+    """The protocol messages (type, body) that start ``data`` (type, int32 length, body).
+
+    The last one may be cut short at the end of ``data``.
+    """
+    messages, at = [], 0
     while at + 5 <= len(data):
-        types.append(data[at : at + 1])
-        at += 1 + int.from_bytes(data[at + 1 : at + 5], "big")
-    return types
+        length = int.from_bytes(data[at + 1 : at + 5], "big")
+        messages.append((data[at : at + 1], data[at + 5 : at + 1 + length]))
+        at += 1 + length
+    return messages
+
+
+#: Transaction states in which no statement is under way on a session.
+_BETWEEN_STATEMENTS = (
+    pq.TransactionStatus.IDLE,
+    pq.TransactionStatus.INTRANS,
+    pq.TransactionStatus.INERROR,
+)
+#: Severities of an ErrorResponse after which the server ends the session.
+_FATAL_SEVERITIES = (b"FATAL", b"PANIC")
+
+
+def _ends_the_session(kind: bytes, body: bytes) -> bool:
+    """Whether a message says the server ends the session (seen among a statement's results).
+
+    An ErrorResponse of severity FATAL or PANIC, or a message (error or warning) of
+    SQLSTATE class 57P (operator intervention: terminated, shut down, crash reset).
+    """
+    if kind not in _GOODBYES:
+        return False
+    fields = {field[:1]: field[1:] for field in body.split(b"\0") if field}
+    severity = fields.get(b"V", fields.get(b"S", b""))
+    return (kind == b"E" and severity in _FATAL_SEVERITIES) or fields.get(b"C", b"").startswith(
+        b"57P"
+    )

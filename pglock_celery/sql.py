@@ -18,10 +18,6 @@ from __future__ import annotations
 
 #: The session setting listing the keys a lock session holds (``,k1,k2,``).
 HELD_SETTING = "pglock.held"
-#: Set for the length of a holder's transaction on a shared session: the keys the
-#: session holds for other holders (``,k1,k2,``), which guarded tables never count
-#: as this holder's.
-OTHERS_SETTING = "pglock.others"
 #: The session setting carrying a per-session token, set in the startup options.
 SESSION_TOKEN_SETTING = "pglock.session"
 
@@ -113,14 +109,6 @@ UNLOCK_SHARED: Statement = (
     b" pg_catalog.replace(pg_catalog.current_setting('pglock.held', true),"
     b" pg_catalog.concat(',', $1::pg_catalog.text, ','), ','), false)",
 )
-#: After a holder's transaction on a shared session: its session-level state goes,
-#: the locks stay; ``{held}`` is the session's keys as pglock.held lists them.
-RESET_AFTER_TRANSACTION = (
-    "SET SESSION AUTHORIZATION DEFAULT; RESET ALL; DEALLOCATE ALL; CLOSE ALL; UNLISTEN *;"
-    " DISCARD TEMP; DISCARD SEQUENCES;"
-    " SELECT pg_catalog.set_config('pglock.held', '{held}', false)"
-)
-
 # -- who holds what (inspect.py) -------------------------------------------------
 
 # Advisory locks are per database; a bigint key shows as classid/objid with
@@ -187,43 +175,58 @@ SERVER_IDENTITY = b"SELECT pg_catalog.pg_postmaster_start_time()"
 
 # -- any lock session ------------------------------------------------------------
 
-#: At the start of a holder's transaction (lock.transaction()): pin every key the
-#: session holds with a transaction-level lock too, so that nothing the transaction
-#: runs (pg_advisory_unlock_all(), say) can free one of them before it ends, and a
-#: PREPARE TRANSACTION fails (a transaction holding a key at both levels cannot be
-#: prepared, so no write under the lock outlives it); guarded tables see only the
-#: holder's own key meanwhile, and the others' keys as not this holder's.
-#: %s ",own key,", %s ",other keys,", %s every key (int8[]).
-PIN_FOR_TRANSACTION = (
-    b"SELECT pg_catalog.set_config('pglock.held', %s, true),"
-    b" pg_catalog.set_config('pglock.others', %s, true),"
-    b" (SELECT pg_catalog.count(*) FROM (SELECT pg_catalog.pg_advisory_xact_lock(k)"
-    b" FROM pg_catalog.unnest(%s::pg_catalog.int8[]) AS k) AS pinned)"
+#: At the start of a holder's transaction (lock.transaction()): prove, without
+#: waiting, that the session holds its key, and pin it with a transaction-level lock
+#: too, so that nothing the transaction runs (pg_advisory_unlock_all(), say) can free
+#: it before the transaction ends, and a PREPARE TRANSACTION fails (a transaction
+#: holding a key at both levels cannot be prepared, so no write under the lock
+#: outlives it). The pin is only tried: it is granted at once to a session that holds
+#: the key, and refused at once when another does; a free key is pinned for a moment
+#: and the session-level unlock then says it was not held (false: the caller rolls
+#: back). While pinned, unlocking the session-level count once and taking it again
+#: never frees the key. %s the key.
+PROVE_AND_PIN = (
+    b"SELECT CASE WHEN pg_catalog.pg_try_advisory_xact_lock(%s::pg_catalog.int8)"
+    b" THEN CASE WHEN pg_catalog.pg_advisory_unlock(%s::pg_catalog.int8)"
+    b" THEN pg_catalog.pg_try_advisory_lock(%s::pg_catalog.int8) ELSE false END"
+    b" ELSE false END"
 )
-#: Before that transaction ends: every key is held twice at session level again,
-#: whatever the transaction unlocked (the pins kept everyone else out meanwhile).
-#: %s the keys (int8[]).
+#: Before that transaction ends: the key is held twice at session level again,
+#: whatever the transaction unlocked (the pin kept everyone else out meanwhile).
+#: %s the key.
 RESTORE_AFTER_TRANSACTION = (
-    b"SELECT pg_catalog.count(*) FROM (SELECT pg_catalog.pg_advisory_unlock(k),"
-    b" pg_catalog.pg_advisory_unlock(k), pg_catalog.pg_try_advisory_lock(k),"
-    b" pg_catalog.pg_try_advisory_lock(k)"
-    b" FROM pg_catalog.unnest(%s::pg_catalog.int8[]) AS k) AS restored"
+    b"SELECT pg_catalog.pg_advisory_unlock(k), pg_catalog.pg_advisory_unlock(k),"
+    b" pg_catalog.pg_try_advisory_lock(k), pg_catalog.pg_try_advisory_lock(k)"
+    b" FROM (SELECT %s::pg_catalog.int8 AS k) AS key"
 )
 
-#: Is the server a primary, and does this session still hold the key? Unlocking a
-#: held key once and taking it again never lets it go (its count is 2); a key the
-#: session no longer holds is not unlocked (false) and not taken. $1 key.
+#: Is the server a primary, and does this session still hold the key? The key is
+#: pinned for the statement first (granted at once to the session that holds it,
+#: refused when another does), so unlocking one session-level count and taking it
+#: again never lets it go, whatever its count; a key the session no longer holds is
+#: not unlocked (false). $1 key.
 CHECK: Statement = (
     b"pglock_check",
     b"SELECT pg_catalog.pg_is_in_recovery(),"
-    b" CASE WHEN pg_catalog.pg_advisory_unlock($1::pg_catalog.int8)"
-    b" THEN pg_catalog.pg_try_advisory_lock($1::pg_catalog.int8) END",
+    b" CASE WHEN pg_catalog.pg_try_advisory_xact_lock($1::pg_catalog.int8)"
+    b" THEN CASE WHEN pg_catalog.pg_advisory_unlock($1::pg_catalog.int8)"
+    b" THEN pg_catalog.pg_try_advisory_lock($1::pg_catalog.int8) ELSE false END"
+    b" ELSE false END",
 )
-#: End this session's own backend: a session that lives on without its lock must
-#: commit nothing more.
-TERMINATE_SELF: Statement = (
-    b"pglock_terminate_self",
-    b"SELECT pg_catalog.pg_terminate_backend(pg_catalog.pg_backend_pid())",
+#: The server's own view of a lock session that is busy (a holder's statement,
+#: pipeline, COPY or transaction), asked on a session of its own (probe.py): the same
+#: server (its start, in microseconds since 1970), the session's backend still there
+#: (its pid and start), and its key not free (a shared pin, tried, is refused while
+#: anyone holds the key: granted, it proves the key free; NULL for a session that
+#: waits). $1 server start, $2 backend pid, $3 backend start, $4 key or NULL.
+PROBE: Statement = (
+    b"pglock_probe",
+    b"SELECT (EXTRACT(epoch FROM pg_catalog.pg_postmaster_start_time())"
+    b" * 1000000)::pg_catalog.int8 = $1::pg_catalog.int8,"
+    b" EXISTS (SELECT FROM pg_catalog.pg_stat_get_activity($2::pg_catalog.int4) AS a"
+    b" WHERE (EXTRACT(epoch FROM a.backend_start) * 1000000)::pg_catalog.int8"
+    b" = $3::pg_catalog.int8),"
+    b" pg_catalog.pg_try_advisory_xact_lock_shared($4::pg_catalog.int8)",
 )
 
 
@@ -236,5 +239,12 @@ def set_session_settings(count: int) -> bytes:
     return f"SELECT {calls}".encode()
 
 
-#: The backend a new session landed on, and whether its startup options are in force.
-VERIFY_SESSION = b"SELECT pg_catalog.pg_backend_pid(), pg_catalog.current_setting(%s, true)"
+#: The backend a new session landed on, whether its startup options are in force, and
+#: when its backend and its server started (microseconds since 1970, for probe.py).
+VERIFY_SESSION = (
+    b"SELECT pg_catalog.pg_backend_pid(), pg_catalog.current_setting(%s, true),"
+    b" (SELECT (EXTRACT(epoch FROM a.backend_start) * 1000000)::pg_catalog.int8"
+    b" FROM pg_catalog.pg_stat_get_activity(pg_catalog.pg_backend_pid()) AS a),"
+    b" (EXTRACT(epoch FROM pg_catalog.pg_postmaster_start_time())"
+    b" * 1000000)::pg_catalog.int8"
+)

@@ -36,6 +36,7 @@ from .exceptions import (
 from .inspect import database_identity
 from .keys import check_lock_name, check_timeout
 from .lock import AdvisoryLock, _current, current_lock
+from .loss import Loss
 from .monitor import Body, Hold
 from .sources import registry
 
@@ -254,7 +255,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
                 return self._lock_busy(lock, mode, config, args, kwargs)
             token = _current.set(lock)
             if body is not None:
-                body.running = True
+                body.start()
             try:
                 return super().__call__(*args, **kwargs)
             except psycopg.Error as exc:
@@ -590,20 +591,23 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
     def _lock_lost(
         self,
         lock: Hold,
-        reason: str,
+        loss: Loss,
         *,
         task_id: str | None,
         hostname: str | None,
         reaction: str,
         body: Body | None,
     ) -> None:
-        """React to a loss found while the call holds the lock (from the monitor's thread)."""
+        """React to a loss found while the call holds the lock (by a monitor thread or
+        the body itself), once the lock's session is already cut off."""
+        reason = loss.detail
         self._send_event(
             LOCK_LOST_EVENT,
             task_id,
             hostname,
             lock=lock.label,
             reason=reason,
+            loss=loss.kind.value,
             holder=lock.application_name,
         )
         if reaction == INTERRUPT and body is not None:

@@ -21,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Iterator
 
 from ..config import PglockConfig
 from ..monitor import Monitor
-from ..session import LockSession
+from ..session import LockSession, open_bound
 from .base import SHARED, Source
 from .dedicated import DedicatedSource
 from .shared import SharedSource
@@ -34,16 +35,14 @@ from .shared import SharedSource
 class Registry:
     """This process's sources, one per configuration, and its loss monitor."""
 
-    #: How long a fork waits for sessions being opened before it goes ahead anyway.
-    FORK_WAIT = 30.0
-
     def __init__(self) -> None:
         self.monitor = Monitor()
         #: The sources made so far (read without a lock: a dict lookup is atomic).
         self.by_config: dict[PglockConfig, Source] = {}
         self._mutex = threading.Lock()
-        # Sockets being opened, not registered yet: a fork waits for them.
-        self._opening = 0
+        # Sockets being opened, not registered yet: a fork waits for them, each for as
+        # long as its open can take (its deadline, time.monotonic()).
+        self._opening: dict[int, float] = {}
         self._fork_barrier = threading.Condition()
         # A child's copies of its parent's sessions: kept alive, never finalized.
         self._inherited: list[LockSession] = []
@@ -65,19 +64,21 @@ class Registry:
             return list(self.by_config.values())
 
     @contextlib.contextmanager
-    def opening(self) -> Iterator[None]:
+    def opening(self, config: PglockConfig) -> Iterator[None]:
         """Around opening a session until its source registered it: a fork meanwhile waits.
 
         A child forked while a socket exists that is not registered yet would keep
-        a copy of it open, and with it the parent's locks after the parent died.
+        a copy of it open, and with it the parent's locks after the parent died. The
+        fork waits as long as this open can take (session.open_bound), and no longer.
         """
+        token = object()
         with self._fork_barrier:
-            self._opening += 1
+            self._opening[id(token)] = time.monotonic() + open_bound(config)
         try:
             yield
         finally:
             with self._fork_barrier:
-                self._opening -= 1
+                del self._opening[id(token)]
                 if not self._opening:
                     self._fork_barrier.notify_all()
 
@@ -97,8 +98,13 @@ class Registry:
         return sum(s.session_count() for s in sources if isinstance(s, SharedSource))
 
     def _before_fork(self) -> None:
-        self._fork_barrier.acquire()
-        self._fork_barrier.wait_for(lambda: self._opening == 0, timeout=self.FORK_WAIT)
+        barrier = self._fork_barrier
+        barrier.acquire()
+        while self._opening:
+            left = max(self._opening.values()) - time.monotonic()
+            if left <= 0:
+                return  # an open outlived what it can take: it has failed by now
+            barrier.wait(left)
 
     def _after_fork_in_parent(self) -> None:
         self._fork_barrier.release()
@@ -106,7 +112,7 @@ class Registry:
     def _after_fork_in_child(self) -> None:
         # The parent's threads are gone; a lock one of them held would never be released.
         self._mutex = threading.Lock()
-        self._fork_barrier, self._opening = threading.Condition(), 0
+        self._fork_barrier, self._opening = threading.Condition(), {}
         # The sources stay (a lock made before the fork keeps its own), emptied.
         for source in self.by_config.values():
             self._inherited += source.after_fork_in_child()

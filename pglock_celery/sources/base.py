@@ -16,9 +16,12 @@ from .. import sql
 from ..config import PglockConfig
 from ..exceptions import LockLost
 from ..inspect import Holder, holder_on
+from ..loss import Loss, LossKind, lock_gone, session_ended
 from ..monitor import Hold, Monitor, one_line
-from ..patroni import LeaderFence
+from ..patroni import LeaderFence, Standing
+from ..probe import Probe, server_of
 from ..session import LockSession
+from ..shield import library_code
 
 
 class Registry(Protocol):
@@ -26,11 +29,7 @@ class Registry(Protocol):
 
     monitor: Monitor
 
-    def opening(self) -> contextlib.AbstractContextManager[None]: ...
-
-
-class LeaderProblem(str):
-    """Why a session's server is not confirmed as the leader: every lock on it is lost."""
+    def opening(self, config: PglockConfig) -> contextlib.AbstractContextManager[None]: ...
 
 
 #: The strategies, as pglock_strategy names them.
@@ -39,43 +38,53 @@ CONNECT, REUSE, SHARED = "connect", "reuse", "shared"
 
 @contextlib.contextmanager
 def fenced_transaction(
-    session: LockSession,
-    handle: psycopg.Connection[Any],
-    keys: list[int],
-    own: int,
-    before_commit: Callable[[], None],
+    hold: Hold, handle: psycopg.Connection[Any], before_commit: Callable[[], None]
 ) -> Iterator[psycopg.Connection[Any]]:
-    """``handle`` inside a transaction that can commit only while the session holds ``keys``.
+    """``handle`` inside a transaction that can commit only while its session holds the lock.
 
-    Every key of the session is pinned for the transaction's length (sql.py,
-    PIN_FOR_TRANSACTION) and held again before it ends; ``before_commit`` may
-    still refuse the commit (LockLost); nested, it is a savepoint.
-    A failure of the session itself is a lost lock (LockLost, its cause chained).
+    It proves the lock first, without waiting (sql.py, PROVE_AND_PIN): a session
+    that no longer holds it raises LockLost at once (the loss is handled whole
+    first), and never takes it back. The key stays pinned for the transaction's
+    length and is held again before it ends; ``before_commit`` may still refuse
+    the commit (LockLost); nested, it is a savepoint. A failure of the session
+    itself is a lost lock (LockLost, its cause chained).
     """
+    session = hold.session
+    assert session is not None
     if handle.pgconn.transaction_status != pq.TransactionStatus.IDLE:
         with handle.transaction():
             yield handle
         return
+    key = hold.key
+    proven = False
     try:
-        with handle.transaction():
-            others = "".join(f",{key}" for key in keys if key != own)
-            handle.execute(
-                sql.PIN_FOR_TRANSACTION, (f",{own},", f"{others}," if others else "", keys)
-            )
+        with handle.transaction() as outer:
+            with library_code():
+                row = handle.execute(sql.PROVE_AND_PIN, (key, key, key)).fetchone()
+                proven = row is not None and row[0] is True
+            if not proven:
+                raise psycopg.Rollback(outer)
             try:
                 with handle.transaction():  # a savepoint: the body's work alone
                     yield handle
             finally:
                 if handle.pgconn.transaction_status == pq.TransactionStatus.INTRANS:
-                    handle.execute(sql.RESTORE_AFTER_TRANSACTION, (keys,))
-            before_commit()
+                    with library_code():
+                        handle.execute(sql.RESTORE_AFTER_TRANSACTION, (key,))
+            with library_code():
+                before_commit()
     except psycopg.Error as exc:
         if session.closed or not session.alive():
-            raise LockLost(
-                f"the lock session failed inside the transaction, so its lock is lost: "
-                f"{one_line(exc)}"
-            ) from exc
+            loss = hold.lost or session_ended(
+                f"the lock session failed inside the transaction: {one_line(exc)}"
+            )
+            hold.mark_lost(loss)
+            raise LockLost(f"lock {hold.label} was lost: {loss}") from exc
         raise
+    if not proven:
+        loss = lock_gone("the session no longer holds the lock (found as the transaction began)")
+        hold.mark_lost(loss)
+        raise LockLost(f"lock {hold.label} was lost: {hold.lost or loss}")
 
 
 class Source(abc.ABC):
@@ -89,6 +98,8 @@ class Source(abc.ABC):
         self._mutex = threading.Lock()
         #: Every session this source opened and has not closed (a fork closes them).
         self._sessions: set[LockSession] = set()
+        #: The server's view of busy sessions, one probe per server (probe.py).
+        self._probes: dict[tuple[str, int], Probe] = {}
         #: With pglock_patroni_url: a lock is valid only while its server is confirmed
         #: as the cluster's leader (patroni.py), confirmed afresh before each check
         #: when the last confirmation would not outlast the next one.
@@ -97,7 +108,7 @@ class Source(abc.ABC):
             self.fence.timeout if self.fence else 0
         )
 
-    def leader_problem(self, session: LockSession | None) -> LeaderProblem | None:
+    def leader_problem(self, session: LockSession | None) -> Loss | None:
         """Why ``session``'s server is not (or cannot be told to be) the leader, or None.
 
         Always None without a fence. Asks no statement of the session: a frozen or
@@ -106,20 +117,27 @@ class Source(abc.ABC):
         if self.fence is None or session is None:
             return None
         if session.identity is None:
-            return LeaderProblem(
-                "its server's identity is unknown: the Patroni leader cannot be confirmed"
+            return Loss(
+                LossKind.CANNOT_TELL,
+                "its server's identity is unknown: the Patroni leader cannot be confirmed",
             )
         verdict = self.fence.confirm(session.identity, fresh_for=self._fresh_for)
         if verdict.valid(for_at_least=self._fresh_for):
             return None
         if verdict.leader:
-            return LeaderProblem(
+            return Loss(
+                LossKind.CANNOT_TELL,
                 "its server leads, but a confirmation is trusted for less than a check "
                 f"interval and the time to ask ({self._fresh_for:g} s): lower "
-                "pglock_check_interval, or raise Patroni's ttl"
+                "pglock_check_interval, or raise Patroni's ttl",
             )
-        return LeaderProblem(
-            f"its server is not confirmed as the Patroni cluster's leader: {verdict.reason}"
+        kind = (
+            LossKind.NOT_LEADER
+            if verdict.standing is Standing.NOT_LEADER
+            else (LossKind.CANNOT_TELL)
+        )
+        return Loss(
+            kind, f"its server is not confirmed as the Patroni cluster's leader: {verdict.reason}"
         )
 
     @abc.abstractmethod
@@ -148,79 +166,85 @@ class Source(abc.ABC):
         """A connection inside a transaction that can commit only while the lock is held."""
 
     @abc.abstractmethod
-    def lost(self, hold: Hold, reason: str) -> None:
-        """Deal with ``hold``'s session after its lock was found lost for ``reason``."""
+    def end_use(self, hold: Hold, loss: Loss) -> None:
+        """End the holder's use of its session after ``loss``, never waiting for it.
+
+        Called once per loss by Hold.mark_lost, before the holder is told: after it,
+        no statement of that holder reaches the server.
+        """
 
     @abc.abstractmethod
     def close(self) -> None:
         """Close every session that holds nothing (idle sessions, quiet shared ones)."""
 
-    def check(self, hold: Hold, *, wait: bool) -> str | None:
-        """Return why ``hold``'s lock is lost, or None while held (or when it cannot ask).
+    def check(self, hold: Hold, *, wait: bool) -> Loss | None:
+        """Return how ``hold``'s lock is lost, or None while held (or when it cannot tell yet).
 
-        Runs under the session's guard, so no statement of the holder can start
-        in between; with ``wait`` False it gives up at once when one is running.
+        The leader first (no statement: a busy or frozen session is judged too).
+        Then a session between statements is asked itself, under its guard (with
+        ``wait`` False, a guard in use counts as busy); a busy one (a holder's
+        statement, pipeline, COPY or transaction, a wait for the lock) is judged
+        from outside: its socket, then the server's own view (probe.py).
         """
         session = hold.session
-        problem = self.leader_problem(session)  # first: a busy session is judged too
-        if problem is not None:
-            return problem
-        if session is None or not session.guard.acquire(blocking=wait):
-            return None
+        loss = self.leader_problem(session)
+        if loss is not None or session is None:
+            return loss
+        if hold.lost is not None or hold.ended:
+            return hold.lost
+        if session.closed:
+            return session_ended("the lock session failed: it is closed")
+        if session.guard.acquire(blocking=wait):
+            try:
+                if (
+                    session.pgconn.transaction_status == pq.TransactionStatus.IDLE
+                    and not session.pgconn.pipeline_status
+                ):
+                    return self._ask(session, hold)
+            finally:
+                session.guard.release()
+        return self._judge_busy(session, hold)
+
+    def _ask(self, session: LockSession, hold: Hold) -> Loss | None:
+        """Ask a session between statements whether it holds ``hold``'s lock."""
         try:
-            if hold.ended or hold.lost is not None:
-                return hold.lost
-            if session.pgconn.pipeline_status:
-                return None  # results of the holder's pipeline are on their way
-            status = session.pgconn.transaction_status
-            if status == psycopg.pq.TransactionStatus.IDLE:
-                try:
-                    result = session.query(*sql.CHECK, (str(hold.key).encode(),))
-                except psycopg.Error as exc:
-                    return f"the lock session failed: {one_line(exc)}"
-                if result.get_value(0, 0) == b"t":
-                    return "the server is in recovery (a failover?)"
-                if result.get_value(0, 1) != b"t":
-                    return "the session no longer holds the lock"
-                return None
-            if status in (
-                psycopg.pq.TransactionStatus.INTRANS,
-                psycopg.pq.TransactionStatus.INERROR,
-            ):
-                if not session.alive():
-                    return "the lock session failed: the server closed it"
-                return None
-            if session.closed:
-                return "the lock session failed: it is closed"
-            return None  # a statement of the holder's is under way
-        finally:
-            session.guard.release()
+            result = session.query(*sql.CHECK, (str(hold.key).encode(),))
+        except psycopg.Error as exc:
+            return session_ended(f"the lock session failed: {one_line(exc)}")
+        if result.get_value(0, 0) == b"t":
+            return Loss(LossKind.NOT_LEADER, "the server is in recovery (a failover?)")
+        if result.get_value(0, 1) != b"t":
+            return lock_gone("the session no longer holds the lock")
+        return None
 
-    @abc.abstractmethod
-    def cut_off(self, hold: Hold, reason: str) -> None:
-        """Make a statement under way on ``hold``'s session fail now: its lock is lost.
+    def _judge_busy(self, session: LockSession, hold: Hold) -> Loss | None:
+        """Judge a session that cannot be asked now: its socket, then the server's view."""
+        if not session.alive():
+            return session_ended("the lock session failed: the server closed it")
+        if session.pid != os.getpid() or session.backend_started is None:
+            return None  # a parent's session; behind a pooler the server's view is not ours
+        return self._probe(session).judge(session, hold.key if hold.granted else None)
 
-        Never waits for the session (Hold.mark_lost calls it before telling the body).
-        """
+    def _probe(self, session: LockSession) -> Probe:
+        where = server_of(session)
+        with self._mutex:
+            probe = self._probes.get(where)
+            if probe is None:
+                probe = self._probes[where] = Probe(self.config, *where, self.registry.opening)
+        return probe
 
-    def _cut_if_busy(self, session: LockSession | None) -> None:
-        """Cut ``session`` when a statement is under way on it (its guard is taken).
-
-        That statement may wait on a server that will never answer (frozen, deposed).
-        """
-        if session is None or session.closed or session.pid != os.getpid():
-            return
-        if session.guard.acquire(blocking=False):
-            session.guard.release()
-            return  # nothing under way: lost() deals with the session
-        session.cut()
+    def close_probes(self) -> None:
+        with self._mutex:
+            probes, self._probes = list(self._probes.values()), {}
+        for probe in probes:
+            probe.close()
 
     def before_commit(self, hold: Hold) -> None:
         """Refuse the commit of a holder's transaction unless its server still leads."""
-        problem = self.leader_problem(hold.session)
-        if problem is not None:
-            hold.mark_lost(problem)
-            raise LockLost(f"lock {hold.label}: the transaction is not committed: {problem}")
+        loss = self.leader_problem(hold.session)
+        if loss is not None:
+            hold.mark_lost(loss)
+            raise LockLost(f"lock {hold.label}: the transaction is not committed: {loss}")
 
     def holder(self, hold: Hold) -> Holder | None:
         """Who holds ``hold``'s lock now, asked on its session; None when unknown."""
@@ -246,4 +270,7 @@ class Source(abc.ABC):
         self._sessions.clear()
         for session in inherited:
             session.forget_after_fork()
+        for probe in self._probes.values():
+            probe.forget_after_fork()
+        self._probes = {}
         return inherited

@@ -5,8 +5,10 @@ must never share one. ``connect`` opens a session for each lock and closes it
 at release. ``reuse`` keeps up to ``pglock_idle_sessions`` idle sessions per
 process and configuration: a session is taken by one holder at a time and goes
 back only after a clean unlock (a holder that had a handle is reset with
-``DISCARD ALL`` first: its server-side state back to the session's start); any
-doubt closes it. An idle session found ended by the server is closed before
+``DISCARD ALL`` first: its server-side state back to the session's start), and
+only when nothing of the holder's still refers to its libpq connection; any
+doubt closes it. A session whose lock was found lost is cut at once and never
+used again. An idle session found ended by the server is closed before
 use; a lock statement is never retried on another session without the caller
 knowing.
 """
@@ -24,6 +26,7 @@ from psycopg.pq import TransactionStatus
 from .. import sql
 from ..config import PglockConfig
 from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
+from ..loss import Loss
 from ..monitor import Hold, one_line
 from ..session import LockSession, idle_name, open_session, stamped
 from .base import REUSE, Registry, Source, fenced_transaction
@@ -80,7 +83,7 @@ class DedicatedSource(Source):
     def _open(self, hold: Hold) -> LockSession:
         # Under reuse a session outlives its holder: it starts under the idle name.
         name = self._idle_name if self.reuse else hold.application_name
-        with self.registry.opening():
+        with self.registry.opening(self.config):
             session = open_session(self.config, name)
             self._register(session)
         return session
@@ -101,6 +104,26 @@ class DedicatedSource(Source):
         return got == b"t"
 
     def _wait(self, session: LockSession, hold: Hold, timeout: float | None) -> bool:
+        """Wait on the session for the lock, watched meanwhile like a held lock.
+
+        The wait itself has no deadline but the caller's timeout; the monitor judges
+        the waiting session from outside every check interval (probe.py), and a
+        server that stops answering, or that another server replaced, or one the
+        fence refuses, cuts the wait short (LockUnavailable).
+        """
+        self.monitor.watch(hold)
+        try:
+            return self._wait_watched(session, hold, timeout)
+        except psycopg.Error as exc:
+            if hold.lost is not None:
+                raise LockUnavailable(
+                    f"lock {hold.label}: the wait was cut short: {hold.lost}"
+                ) from exc
+            raise
+        finally:
+            self.monitor.unwatch(hold)
+
+    def _wait_watched(self, session: LockSession, hold: Hold, timeout: float | None) -> bool:
         key = str(hold.key).encode()
         with session.guard:
             restore = None
@@ -133,8 +156,11 @@ class DedicatedSource(Source):
         keep = False
         try:
             if not hold.granted:
-                keep = clean  # nothing was taken on this session
+                keep = clean and hold.lost is None  # nothing was taken on this session
                 return
+            if hold.lost is not None:
+                # Its session was cut when the loss was found: it serves nobody again.
+                raise LockLost(f"lock {hold.label} was lost while held: {hold.lost}")
             keep = self._unlock(session, hold) and clean
             if keep and session.handed_out:
                 try:
@@ -149,8 +175,8 @@ class DedicatedSource(Source):
                 keep
                 and self.reuse
                 and not session.pooled
-                and not session.pgconn_exposed
                 and session.pid == os.getpid()
+                and not session.referenced_elsewhere()
             ):
                 with self._mutex:
                     kept = len(self._idle) < self.config.idle_sessions
@@ -191,8 +217,6 @@ class DedicatedSource(Source):
         if unlocked != b"t":
             self.monitor.count_loss("at_release")
             raise LockLost(f"lock {label} was no longer held at release")
-        if hold.lost is not None:
-            raise LockLost(f"lock {label} was lost while held: {hold.lost}")
         return clean and not session.pgconn.pipeline_status
 
     # -- what a holder touches ---------------------------------------------------------
@@ -203,32 +227,25 @@ class DedicatedSource(Source):
         with session.guard:
             if hold.ended:
                 raise LockLost(f"lock {hold.label} was released: it has no connection")
+            if hold.lost is not None:
+                raise LockLost(f"lock {hold.label} was lost: {hold.lost}")
             if hold.handle is None or hold.handle.closed:
                 hold.handle = session.handle()
             return hold.handle
 
     def transaction(self, hold: Hold) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
-        assert hold.session is not None
-        return fenced_transaction(
-            hold.session,
-            self.connection(hold),
-            [hold.key],
-            hold.key,
-            lambda: self.before_commit(hold),
-        )
+        return fenced_transaction(hold, self.connection(hold), lambda: self.before_commit(hold))
 
-    def cut_off(self, hold: Hold, reason: str) -> None:
-        # The session is the holder's alone, and not trusted again.
-        self._cut_if_busy(hold.session)
+    def end_use(self, hold: Hold, loss: Loss) -> None:
+        """Cut the session: it is the holder's alone, and no statement of its may follow.
 
-    def lost(self, hold: Hold, reason: str) -> None:
+        A statement under way fails at once, even on a server that will never
+        answer it; nothing more reaches the server, which ends the backend (and
+        rolls back its transaction) as it reads the end of the connection.
+        """
         session = hold.session
-        if session is None or session.closed or "session failed" in reason:
-            return
-        # Alive but without the lock (or on a standby): end the session, so that no
-        # further write of this holder can commit.
-        with session.guard, contextlib.suppress(psycopg.Error):
-            session.query(*sql.TERMINATE_SELF)  # within the statement deadline
+        if session is not None:
+            session.cut()
 
     def close(self) -> None:
         with self._mutex:

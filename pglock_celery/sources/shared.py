@@ -6,14 +6,18 @@ sessions. Session locks are re-entrant, so a name is first claimed in this
 source: a second holder here finds it claimed and skips, as if another worker
 held it. The session records its keys in ``pglock.held`` for guarded tables.
 
-Only a session that failed (closed, ended by the server, a statement of the
-library interrupted) takes every lock on it: all its holds are marked lost at
-once. An SQL error of one holder's statement on a live session is that holder's
-alone.
+Only a loss that takes the session (it ended, its server may not lead, nobody
+can tell) takes every lock on it: all its holds are marked lost at once, and the
+session is cut. An SQL error of one holder's try on a live session is that
+holder's alone.
 
-Holders get no connection of their own: ``lock.transaction()`` gives one, with
-the session to itself for that transaction (other holders on it wait), and
-resets what the transaction left on the session afterwards.
+**A session that carries other holders' locks never runs a holder's SQL.**
+Holders get neither a connection nor a transaction: ``lock.connection`` and
+``lock.transaction()`` refuse with a PglockError naming the strategies that give
+fenced writes (``reuse``, ``connect``). Any SQL of a holder's on a shared session
+could free its neighbours' locks (``pg_advisory_unlock_all()``, directly or inside
+a function, survives a rollback), and no check of statements can prevent that;
+so the only SQL a shared session ever runs is the library's own.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -29,9 +32,10 @@ import psycopg
 from .. import sql
 from ..config import PglockConfig
 from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
+from ..loss import Loss, session_ended
 from ..monitor import Hold, one_line
-from ..session import LockSession, application_name, apply_settings, open_session
-from .base import LeaderProblem, Registry, Source, fenced_transaction
+from ..session import LockSession, application_name, open_session
+from .base import Registry, Source
 
 #: Longest pause between two tries of a waiting shared lock, in seconds.
 MAX_POLL = 0.5
@@ -121,11 +125,11 @@ class SharedSource(Source):
                 return self._open()
             if self._holds.get(session) or session.alive():
                 return session
-            self._fail(session, "the idle lock session was ended by the server")
+            self._fail(session, session_ended("the idle lock session was ended by the server"))
 
     def _open(self) -> LockSession:
         try:
-            with self.registry.opening():
+            with self.registry.opening(self.config):
                 session = open_session(self.config, self._name)
                 self._register(session)
         except BaseException:
@@ -146,7 +150,7 @@ class SharedSource(Source):
             result = session.query(*sql.TRY_SHARED, (session.token.encode(), key))
         except psycopg.Error as exc:
             if session.closed or not session.alive():
-                self._fail(session, f"the lock session failed: {one_line(exc)}")
+                self._fail(session, session_ended(f"the lock session failed: {one_line(exc)}"))
             raise LockUnavailable(
                 f"lock {hold.label}: the shared lock session refused the lock statement: "
                 f"{one_line(exc)}"
@@ -158,7 +162,7 @@ class SharedSource(Source):
             raise
         got, backend_pid = result.get_value(0, 0), result.get_value(0, 1)
         if got is None or backend_pid is None or int(backend_pid) != session.backend_pid:
-            self._fail(session, "the lock session is not on its own backend")
+            self._fail(session, session_ended("the lock session is not on its own backend"))
             raise LockUnavailable(
                 f"lock {hold.label}: the shared lock session did not run on its own backend: "
                 "a pooler moved it, so it fails closed"
@@ -172,25 +176,23 @@ class SharedSource(Source):
         if session is None or not hold.granted:
             return
         label = hold.label
+        unlocked: bytes | None = b"t"
         try:
-            with session.guard:
-                if hold.handle is not None:
-                    # Released inside its own transaction: that transaction must not
-                    # commit once the lock is free.
-                    session.revoke(f"lock {label} was released: this connection is closed")
-                    hold.handle = None
-                    session.conn.rollback()
-                key = str(hold.key).encode()
-                try:
-                    unlocked = session.query(*sql.UNLOCK_SHARED, (key,)).get_value(0, 0)
-                except psycopg.Error:
-                    raise
-                except BaseException:
-                    self._let_go(session, key)  # interrupted: the key must not stay held
-                    raise
+            if hold.lost is not None:
+                if not hold.lost.takes_the_session:
+                    self._let_go(session, str(hold.key).encode())  # the key, if any count stayed
+                raise LockLost(f"lock {label} was lost while held: {hold.lost}")
+            key = str(hold.key).encode()
+            try:
+                unlocked = session.query(*sql.UNLOCK_SHARED, (key,)).get_value(0, 0)
+            except psycopg.Error:
+                raise
+            except BaseException:
+                self._let_go(session, key)  # interrupted: the key must not stay held
+                raise
         except psycopg.Error as exc:
             if session.closed or not session.alive():
-                self._fail(session, f"the lock session failed: {one_line(exc)}")
+                self._fail(session, session_ended(f"the lock session failed: {one_line(exc)}"))
             else:
                 self._let_go(session, str(hold.key).encode())
             self.monitor.count_loss("at_release")
@@ -206,101 +208,61 @@ class SharedSource(Source):
         if unlocked != b"t":
             self.monitor.count_loss("at_release")
             raise LockLost(f"lock {label} was no longer held at release")
-        if hold.lost is not None:
-            raise LockLost(f"lock {label} was lost while held: {hold.lost}")
 
     # -- what a holder touches ---------------------------------------------------------
 
     def connection(self, hold: Hold) -> psycopg.Connection[Any]:
-        raise PglockError(
-            f"lock {hold.label} is on a shared session, which has no connection of "
-            "its own: write through `with lock.transaction() as conn:`"
-        )
+        raise _no_sql_here(hold, "lock.connection")
 
-    @contextlib.contextmanager
-    def transaction(self, hold: Hold) -> Iterator[psycopg.Connection[Any]]:
-        """A connection in a transaction on the hold's session, which it has to itself.
-
-        Nested, it is a savepoint of the same transaction, as psycopg's own.
-        """
-        session = hold.session
-        assert session is not None
-        with session.guard:
-            if hold.handle is not None:
-                with hold.handle.transaction():
-                    yield hold.handle
-                return
-            reason = self.check(hold, wait=True)
-            if reason is not None:
-                hold.mark_lost(reason)
-                raise LockLost(f"lock {hold.label} was lost: {reason}")
-            hold.handle = handle = session.handle()
-            with self._mutex:
-                keys = list(self._holds.get(session, {}))
-            try:
-                with fenced_transaction(
-                    session, handle, keys, hold.key, lambda: self.before_commit(hold)
-                ):
-                    yield handle
-            finally:
-                hold.handle = None
-                session.revoke(
-                    f"the transaction of lock {hold.label} ended: this connection is closed"
-                )
-                self._reset(session)
-
-    def _reset(self, session: LockSession) -> None:
-        """Take back from the session what a holder's transaction left; the locks stay."""
-        if session.closed:
-            return
-        with self._mutex:
-            held = "," + "".join(f"{key}," for key in self._holds.get(session, {}))
-        try:
-            session.execute(sql.RESET_AFTER_TRANSACTION.format(held=held).encode())
-            session.forget_prepared()
-            if session.pooled:  # its settings came from set_config, which RESET ALL undid
-                apply_settings(session.conn, self.config, session.token)
-        except psycopg.Error as exc:
-            self._fail(session, f"the lock session failed: {one_line(exc)}")
+    def transaction(self, hold: Hold) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
+        raise _no_sql_here(hold, "lock.transaction()")
 
     def _let_go(self, session: LockSession, key: bytes) -> None:
         """Make sure the session no longer holds ``key`` (after an interrupted statement).
 
         A session that cannot be asked fails: closed, it holds nothing.
         """
+        interrupted = session_ended("the lock session failed: a statement was interrupted")
         if session.closed:
-            self._fail(session, "the lock session failed: a statement was interrupted")
+            self._fail(session, interrupted)
             return
         try:
             session.query(*sql.UNLOCK_SHARED, (key,))
         except BaseException:
-            self._fail(session, "the lock session failed: a statement was interrupted")
+            self._fail(session, interrupted)
 
     # -- losses ------------------------------------------------------------------------
 
-    def cut_off(self, hold: Hold, reason: str) -> None:
-        """Cut the session only when every lock on it is lost: its server does not lead.
+    def end_use(self, hold: Hold, loss: Loss) -> None:
+        """A loss that takes the session fails it (every lock on it, and it is cut).
 
-        One lock's loss leaves the others' locks on the session alone (a cut would
-        end them too).
+        One lock gone from a live session leaves the others' locks on it alone (a
+        cut would end them too); its holder runs no SQL on the session to stop.
         """
-        if isinstance(reason, LeaderProblem):
-            self._cut_if_busy(hold.session)
+        session = hold.session
+        if session is not None and loss.takes_the_session:
+            session.cut()
+            self._fail(session, loss)
 
-    def lost(self, hold: Hold, reason: str) -> None:
-        if hold.session is not None and "session failed" in reason:
-            self._fail(hold.session, reason)
+    def _fail(self, session: LockSession, loss: Loss) -> None:
+        """A shared session failed: every lock on it is lost (once), and it leaves the pool.
 
-    def _fail(self, session: LockSession, reason: str) -> None:
-        """A shared session failed: every lock on it is lost (once), and it leaves the pool."""
+        Closed when no statement is under way on it (one under way fails, as the
+        session is cut, and closes it).
+        """
         with self._ready:
             holds = list(self._holds.pop(session, {}).values())
             if session in self._pool:
                 self._pool.remove(session)
             self._ready.notify_all()
-        self._discard(session)
+        session.cut()
+        if not session.guard_is_taken():
+            self._discard(session)
+        else:
+            with self._mutex:
+                self._sessions.discard(session)
         for hold in holds:
-            hold.mark_lost(reason)
+            hold.mark_lost(loss)
 
     def close(self) -> None:
         with self._mutex:
@@ -322,3 +284,12 @@ class SharedSource(Source):
         self._pool, self._opening, self._holds = [], 0, {}
         self._claimed = set()
         return inherited
+
+
+def _no_sql_here(hold: Hold, what: str) -> PglockError:
+    return PglockError(
+        f"lock {hold.label} is on a shared lock session, which carries other holders' "
+        f"locks and never runs a holder's SQL, so {what} is not given under "
+        'pglock_strategy = "shared": for writes fenced by the lock, use pglock_strategy '
+        '= "reuse" (the default) or "connect" for this task\'s app'
+    )

@@ -9,6 +9,7 @@ connection, stamped with the server clock.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -42,24 +43,42 @@ app.conf.update(
 )
 
 
+# Under pglock_strategy = "shared" a lock session never runs a holder's SQL, so the
+# history is written on a connection of this process's own (one, shared by the pool's
+# threads or greenlets, made after fork), stamped with the lock session's backend.
+_history_conn: psycopg.Connection[Any] | None = None
+_history_mutex = threading.Lock()
+
+
+def _write(statement: str, params: tuple[Any, ...]) -> Any:
+    global _history_conn
+    lock = current_lock()
+    assert lock is not None, "step body ran without a current lock"
+    if lock.config.strategy != "shared":
+        with lock.transaction() as conn:
+            cursor = conn.execute(statement, params)
+            return cursor.fetchone() if cursor.description else None
+    with _history_mutex:
+        if _history_conn is None or _history_conn.closed:
+            _history_conn = psycopg.connect(lock.config.require_dsn(), autocommit=True)
+        cursor = _history_conn.execute(statement, params)
+        return cursor.fetchone() if cursor.description else None
+
+
 def _record_start(table: str, attempt: int = 0) -> int:
     lock = current_lock()
     assert lock is not None, "step body ran without a current lock"
-    with lock.transaction() as conn:  # every strategy, shared too
-        row = conn.execute(
-            f"INSERT INTO {table} (lock_name, worker_pid, session_pid, attempt, started)"
-            " VALUES (%s, %s, pg_backend_pid(), %s, clock_timestamp()) RETURNING id",
-            (lock.name, os.getpid(), attempt),
-        ).fetchone()
+    row = _write(
+        f"INSERT INTO {table} (lock_name, worker_pid, session_pid, attempt, started)"
+        " VALUES (%s, %s, %s, %s, clock_timestamp()) RETURNING id",
+        (lock.name, os.getpid(), lock.backend_pid, attempt),
+    )
     assert row is not None
     return int(row[0])
 
 
 def _record_end(table: str, run_id: int) -> None:
-    lock = current_lock()
-    assert lock is not None
-    with lock.transaction() as conn:
-        conn.execute(f"UPDATE {table} SET finished = clock_timestamp() WHERE id = %s", (run_id,))
+    _write(f"UPDATE {table} SET finished = clock_timestamp() WHERE id = %s", (run_id,))
 
 
 def _run(table: str, seconds: float, attempt: int = 0) -> dict[str, Any]:
@@ -207,20 +226,18 @@ def chaos_step(tenant_id: str, table: str, seconds: float) -> dict[str, Any]:
     lock = current_lock()
     assert lock is not None
     run_id = _record_start(table)
-    with lock.transaction() as conn:
-        read = conn.execute(
-            f"SELECT coalesce((SELECT n FROM {table}_counter WHERE lock_name = %s), 0)",
-            (lock.name,),
-        ).fetchone()
+    read = _write(
+        f"SELECT coalesce((SELECT n FROM {table}_counter WHERE lock_name = %s), 0)",
+        (lock.name,),
+    )
     assert read is not None
     lock.sleep(seconds)
-    with lock.transaction() as conn:
-        conn.execute(
-            f"INSERT INTO {table}_counter (lock_name, n) VALUES (%s, %s)"
-            " ON CONFLICT (lock_name) DO UPDATE SET n = EXCLUDED.n",
-            (lock.name, read[0] + 1),
-        )
-        conn.execute(f"UPDATE {table} SET finished = clock_timestamp() WHERE id = %s", (run_id,))
+    _write(
+        f"INSERT INTO {table}_counter (lock_name, n) VALUES (%s, %s)"
+        " ON CONFLICT (lock_name) DO UPDATE SET n = EXCLUDED.n",
+        (lock.name, read[0] + 1),
+    )
+    _record_end(table, run_id)
     return {"ran": True, "pid": os.getpid(), "run": run_id}
 
 

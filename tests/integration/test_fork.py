@@ -216,22 +216,23 @@ def test_a_child_forked_right_after_a_lock_neither_hangs_nor_touches_the_parents
         assert done.stdout.split() == ["0", "True"], done.stderr
 
 
-def test_a_child_forked_during_another_holders_transaction_can_leave_its_with_block(
+def test_a_child_forked_during_a_statement_on_the_shared_session_can_leave_its_with_block(
     pg_dsn: str, run_id: str
 ) -> None:
-    """A child forked during another thread's lock.transaction() can release its copy."""
+    """A child forked while another thread's statement holds the shared session (its
+    guard) can release its copy of a lock on that session: it never waits for the guard."""
     first = shared_lock(pg_dsn, f"f:{run_id}:a", shared_sessions=1)
     second = shared_lock(pg_dsn, f"f:{run_id}:b", shared_sessions=1)
     assert first.acquire() and second.acquire()
     inside, leave = threading.Event(), threading.Event()
+    session = second._hold.session  # type: ignore[union-attr]
 
-    def in_transaction() -> None:
-        with second.transaction() as conn:
-            conn.execute("SELECT 1")
+    def in_a_statement() -> None:
+        with session.guard:  # as a statement of the library's holds it, for as long
             inside.set()
             leave.wait(30)
 
-    thread = threading.Thread(target=in_transaction)
+    thread = threading.Thread(target=in_a_statement)
     thread.start()
     try:
         assert inside.wait(10)

@@ -25,7 +25,7 @@ from pglock_celery import LockLost, LockTimeout, LockUnavailable, lock_key
 from pglock_celery.config import PglockConfig
 from pglock_celery.session import open_session
 from pglock_celery.sources import registry
-from tests.support.locks import STRATEGIES, free_elsewhere, lock
+from tests.support.locks import DEDICATED, STRATEGIES, free_elsewhere, lock
 from tests.support.services import over_unix_socket, wait_until
 
 pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across tests
@@ -57,7 +57,7 @@ def answers(dsn: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", DEDICATED)
 def test_a_crash_restart_inside_the_holders_transaction_is_a_lost_lock(
     own_server: str, run_id: str, strategy: str
 ) -> None:

@@ -1,9 +1,9 @@
 """A loss never waits for the session, and the cut it makes reaches only its own session.
 
-Hold.mark_lost records a loss without the session's guard, then Source.cut_off shuts
-down the socket of a session whose statement is under way (LockSession.cut). These
-tests put a pause where the race windows are a few bytecodes wide (at the entry of
-Source._cut_if_busy, and inside LockSession.cut before it pins the descriptor);
+Hold.mark_lost records a loss without the session's guard, then the source's end_use
+shuts the session's socket down (LockSession.cut) before anyone is told. These tests
+put a pause where the race windows are a few bytecodes wide (at the entry of
+DedicatedSource.end_use, and inside LockSession.cut before it pins the descriptor);
 everything else is real: Postgres, sessions, the monitor thread. Each runs over TCP and
 over the server's Unix socket, where every client socket has the same address.
 """
@@ -22,8 +22,8 @@ import pytest
 
 from pglock_celery import LockLost
 from pglock_celery import session as session_module
-from pglock_celery.sources import base as sources_base
 from pglock_celery.sources import registry
+from pglock_celery.sources.dedicated import DedicatedSource
 from tests.support.locks import free_elsewhere, lock
 from tests.support.services import over_unix_socket, wait_until
 
@@ -75,19 +75,19 @@ def pause_in_cut(monkeypatch: pytest.MonkeyPatch) -> Iterator[_PausingOs]:
 
 @pytest.fixture
 def pause_before_cut(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, threading.Event]]:
-    """Pause ``Source._cut_if_busy`` at its entry (mark_lost has recorded the loss)."""
+    """Pause ``DedicatedSource.end_use`` at its entry (mark_lost has recorded the loss)."""
     events = {"reached": threading.Event(), "go": threading.Event(), "done": threading.Event()}
-    real = sources_base.Source._cut_if_busy
+    real = DedicatedSource.end_use
 
-    def paused(self: Any, session: Any) -> None:
+    def paused(self: Any, hold: Any, loss: Any) -> None:
         events["reached"].set()
         events["go"].wait(30)
         try:
-            real(self, session)
+            real(self, hold, loss)
         finally:
             events["done"].set()
 
-    monkeypatch.setattr(sources_base.Source, "_cut_if_busy", paused)
+    monkeypatch.setattr(DedicatedSource, "end_use", paused)
     yield events
     events["go"].set()
 

@@ -31,8 +31,6 @@ from pglock_celery import (
     LockTimeout,
     LockUnavailable,
     PglockError,
-    install_guard,
-    remove_guard,
 )
 from pglock_celery.config import PglockConfig
 from pglock_celery.lock import AdvisoryLock
@@ -282,96 +280,73 @@ def test_a_dead_idle_shared_session_is_replaced_not_failing_the_next_lock(
         assert again.acquired
 
 
-# --- writes through lock.transaction() --------------------------------------------------------
+# --- a shared session never runs a holder's SQL ------------------------------------------------
 
 
-def test_writes_go_through_transaction_and_leave_the_session_clean(
+def test_a_shared_lock_refuses_connection_and_transaction_naming_the_strategies_that_fence(
     pg_dsn: str, run_id: str
 ) -> None:
-    table = f"shared_{run_id}"
-    with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        admin.execute(f"CREATE TABLE {table} (tenant text, v int)")
-    install_guard(pg_dsn, table, "t:{tenant}")
+    """lock.connection and lock.transaction() refuse under shared, with a PglockError that
+    names the strategies giving fenced writes; the lock itself stays held."""
+    with shared_lock(pg_dsn, f"t:{run_id}", shared_sessions=1) as held:
+        for use in (lambda: held.connection, held.transaction):
+            with pytest.raises(PglockError) as refused:
+                use()
+            assert "reuse" in str(refused.value) and "connect" in str(refused.value)
+            assert not isinstance(refused.value, psycopg.Error)
+        assert held.held()
+        assert not free_elsewhere(pg_dsn, f"t:{run_id}")
+
+
+def test_no_holder_on_a_shared_session_can_unlock_its_neighbours_lock(
+    pg_dsn: str, run_id: str
+) -> None:
+    """Holder A's pg_advisory_unlock_all() and rollback cannot reach holder B's lock on
+    the same session: A gets no SQL on it at all (before, B's lock was free on the server
+    while B held it)."""
+    with shared_lock(pg_dsn, f"b:{run_id}", shared_sessions=1) as neighbour:
+        with shared_lock(pg_dsn, f"a:{run_id}", shared_sessions=1) as holder:
+            assert holder.backend_pid == neighbour.backend_pid  # one session for both
+            with pytest.raises(PglockError), holder.transaction() as conn:
+                conn.execute("SELECT pg_advisory_unlock_all()")
+                conn.execute("SELECT 1/0")
+        assert not free_elsewhere(pg_dsn, f"b:{run_id}")
+        assert neighbour.held()
+
+
+def test_nesting_two_shared_locks_transactions_refuses_with_the_strategy_not_autocommit(
+    pg_dsn: str, run_id: str
+) -> None:
+    """Two locks' nested transactions under shared: a PglockError naming the strategy,
+    never psycopg's "can't change 'autocommit' now" about a setting nobody touched."""
+    with (
+        shared_lock(pg_dsn, f"o:{run_id}", shared_sessions=1) as outer,
+        shared_lock(pg_dsn, f"i:{run_id}", shared_sessions=1) as inner,
+    ):
+        with pytest.raises(PglockError, match="shared"):
+            with outer.transaction(), inner.transaction():
+                pass
+        assert outer.held() and inner.held()
+
+
+def test_a_shared_session_runs_only_the_librarys_statements(pg_dsn: str, run_id: str) -> None:
+    """Whatever its holders did, the last statement every shared session ran is ours."""
+    held = [shared_lock(pg_dsn, f"q:{run_id}:{n}", shared_sessions=2) for n in range(6)]
+    for one in held:
+        assert one.acquire()
+        with contextlib.suppress(PglockError):
+            with one.transaction() as conn:
+                conn.execute("SELECT 'a holder was here'")
     try:
-        with shared_lock(pg_dsn, f"t:{run_id}", shared_sessions=1) as held:
-            with pytest.raises(PglockError, match=r"lock\.transaction\(\)"):
-                held.connection  # noqa: B018
-            with held.transaction() as conn:
-                conn.execute(f"INSERT INTO {table} VALUES (%s, 1)", (run_id,))
-                conn.execute("SET statement_timeout = 4321")  # session-level, inside
-            with shared_lock(pg_dsn, f"t:{run_id}-other", shared_sessions=1) as other:
-                with other.transaction() as conn:
-                    shown = conn.execute("SHOW statement_timeout").fetchone()
-                    assert shown == ("0",)
-                    with (
-                        pytest.raises(psycopg.ProgrammingError, match="pglock"),
-                        conn.transaction(),
-                    ):
-                        # the guard: another tenant's row, whose lock this holder lacks
-                        conn.execute(f"INSERT INTO {table} VALUES (%s, 2)", (f"{run_id}-x",))
-        with psycopg.connect(pg_dsn) as check:
-            rows = check.execute(f"SELECT tenant, v FROM {table}").fetchall()
-        assert rows == [(run_id, 1)]
-    finally:
-        remove_guard(pg_dsn, table)
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            admin.execute(f"DROP TABLE {table}")
-
-
-def test_a_nested_lock_transaction_under_shared_commits_as_under_connect(
-    pg_dsn: str, run_id: str
-) -> None:
-    """A nested lock.transaction() works under shared (as under connect) and leaks nothing."""
-    with scratch_table(pg_dsn, f"nest_{run_id}") as name:
-        with shared_lock(pg_dsn, f"n:{run_id}", shared_sessions=1) as outer:
-            with outer.transaction() as c1:
-                c1.execute(f"INSERT INTO {name} VALUES ('outer', 1)")
-                with outer.transaction() as c2:
-                    c2.execute(f"INSERT INTO {name} VALUES ('inner', 2)")
-        assert rows(pg_dsn, name) == [("outer", 1), ("inner", 2)]
-        assert "idle in transaction" not in session_states(pg_dsn)
-
-
-def test_a_write_in_a_shared_transaction_never_commits_after_the_lock_was_released(
-    pg_dsn: str, run_id: str
-) -> None:
-    """Released inside its own transaction: the write never commits once the lock is free."""
-    with scratch_table(pg_dsn, f"rel_{run_id}") as name:
-        held = shared_lock(pg_dsn, f"rel:{run_id}", shared_sessions=1)
-        assert held.acquire()
-        freed_before_commit = False
-        with contextlib.suppress(psycopg.Error, LockLost):
-            with held.transaction() as conn:
-                conn.execute(f"INSERT INTO {name} VALUES ('late', 1)")
-                with contextlib.suppress(LockLost):
-                    held.release()
-                freed_before_commit = free_elsewhere(pg_dsn, f"rel:{run_id}")
-        committed = rows(pg_dsn, name)
-        assert not (freed_before_commit and committed), (
-            "the write committed after another session could take the lock"
-        )
-
-
-def test_session_authorization_set_in_one_holders_transaction_does_not_reach_the_next(
-    pg_dsn: str, run_id: str
-) -> None:
-    """SET SESSION AUTHORIZATION in a shared transaction never reaches another holder."""
-    role = f"role_{run_id}"
-    with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        admin.execute(f"CREATE ROLE {role}")
-    try:
-        with shared_lock(pg_dsn, f"a:{run_id}", shared_sessions=1) as first:
-            with first.transaction() as conn:
-                before = conn.execute("SELECT session_user").fetchone()
-                conn.execute(f"SET SESSION AUTHORIZATION {role}")
-        with shared_lock(pg_dsn, f"b:{run_id}", shared_sessions=1) as second:
-            with second.transaction() as conn:
-                after = conn.execute("SELECT session_user").fetchone()
-        assert after == before
+            queries = admin.execute(
+                "SELECT query FROM pg_stat_activity WHERE application_name LIKE %s",
+                (f"pglock-shared|{os.getpid()}|%",),
+            ).fetchall()
+        assert queries and all("advisory" in query for (query,) in queries), queries
     finally:
-        registry.close()
-        with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            admin.execute(f"DROP ROLE IF EXISTS {role}")
+        for one in held:
+            one.release()
 
 
 # --- gevent: a hard time limit (gevent.Timeout) inside a lock statement -------------------------

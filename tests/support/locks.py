@@ -20,6 +20,8 @@ from pglock_celery.lock import AdvisoryLock
 
 #: Every value of pglock_strategy.
 STRATEGIES = ("reuse", "connect", "shared")
+#: The strategies that give a holder a session of its own (lock.connection, transaction()).
+DEDICATED = ("reuse", "connect")
 
 
 def eager_app(dsn: str, name: str = "eager", **settings: Any) -> Celery:
