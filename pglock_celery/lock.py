@@ -90,6 +90,8 @@ class AdvisoryLock:
         self._timeout = check_timeout(timeout)
         self._on_lost = on_lost
         self._hold: Hold | None = None
+        # The loss of the hold last released, if it was lost.
+        self._released_loss: Loss | None = None
         #: Where the session of the last acquire came from.
         self._source: Source = registry.by_config.get(config) or registry.source(config)
         self._finalizer: weakref.finalize[Any, Any] | None = None
@@ -130,8 +132,11 @@ class AdvisoryLock:
 
     @property
     def loss(self) -> Loss | None:
-        """How the lock was found lost while held (its kind and detail), or None."""
-        return self._hold.lost if self._hold is not None else None
+        """How the lock was found lost while held (its kind and detail), or None.
+
+        Kept after release, until the next acquire.
+        """
+        return self._hold.lost if self._hold is not None else self._released_loss
 
     def __repr__(self) -> str:
         state = "held" if self.acquired else "not held"
@@ -251,6 +256,7 @@ class AdvisoryLock:
         the session is the parent's.
         """
         hold, self._hold = self._hold, None
+        self._released_loss = hold.lost if hold is not None else None
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None

@@ -175,7 +175,7 @@ class Source(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Close every session that holds nothing (idle sessions, quiet shared ones)."""
+        """Close every session that holds nothing (idle sessions, quiet shared ones, probes)."""
 
     def check(self, hold: Hold, *, wait: bool) -> Loss | None:
         """Return how ``hold``'s lock is lost, or None while held (or when it cannot tell yet).

@@ -252,6 +252,7 @@ class DedicatedSource(Source):
             idle, self._idle = self._idle, []
         for session in idle:
             self._discard(session)
+        self.close_probes()
 
     def idle_count(self) -> int:
         """Idle sessions kept (for tests and benchmarks)."""

@@ -272,6 +272,7 @@ class SharedSource(Source):
                 self._holds.pop(session, None)
         for session in quiet:
             self._discard(session)
+        self.close_probes()
 
     def session_count(self) -> int:
         """Shared sessions open (for tests and benchmarks)."""

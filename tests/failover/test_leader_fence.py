@@ -12,8 +12,9 @@ import psycopg
 import pytest
 
 from pglock_celery import LockLost
+from pglock_celery.loss import LossKind
 from pglock_celery.patroni import LeaderFence, ServerIdentity, server_identity
-from tests.support.locks import STRATEGIES, lock
+from tests.support.locks import DEDICATED, lock
 from tests.support.patroni import Member, PatroniCluster
 from tests.support.services import wait_until
 
@@ -74,7 +75,7 @@ def test_a_paused_patroni_is_cannot_tell_within_the_timeout(patroni: PatroniClus
     wait_until(lambda: fence.confirm(server).leader, 30, "the resumed leader to be confirmed")
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", DEDICATED)
 def test_a_body_waiting_in_a_statement_is_stopped_once_its_leader_cannot_be_confirmed(
     patroni: PatroniCluster, strategy: str
 ) -> None:
@@ -83,8 +84,8 @@ def test_a_body_waiting_in_a_statement_is_stopped_once_its_leader_cannot_be_conf
     The body waits in a statement (on a row lock another session keeps; on a deposed
     primary it would be a statement the frozen server never answers) when Patroni stops
     answering: the body's statement fails with LockLost within the fence's detection,
-    not when the statement ends. A shared session is cut too: the verdict is its
-    server's, so every lock on it is lost.
+    not when the statement ends. (A shared session runs no statement of a holder's;
+    the next test shows its cut on the fence's verdict.)
     """
     leader = leader_of(patroni)
     fence = LeaderFence.from_setting(patroni.urls)
@@ -146,6 +147,56 @@ def test_a_body_waiting_in_a_statement_is_stopped_once_its_leader_cannot_be_conf
     wait_until(lambda: fence.confirm(server).leader, 30, "the resumed leader to be confirmed")
     assert stopped, "the body stayed in its statement after the fence refused its server"
     assert len(outcome) == 1 and isinstance(outcome[0], LockLost), outcome
+
+
+def test_every_lock_on_a_shared_session_is_lost_and_its_session_cut_when_the_leader_is_unknown(
+    patroni: PatroniCluster,
+) -> None:
+    """The fence's verdict is the server's: every lock on a shared session is found lost
+    (not the leader, or cannot tell) and the session ends on the server."""
+    leader = leader_of(patroni)
+    fence = LeaderFence.from_setting(patroni.urls)
+    server = identity(leader)
+    wait_until(lambda: fence.confirm(server).leader, 30, "the leader to be confirmed")
+    run = uuid.uuid4().hex[:8]
+    held = [
+        lock(
+            leader.dsn,
+            f"fence-shared:{run}:{n}",
+            strategy="shared",
+            shared_sessions=1,
+            patroni_url=tuple(patroni.urls.split(",")),
+            check_interval=0.5,
+        )
+        for n in range(3)
+    ]
+    for one in held:
+        assert one.acquire()
+    backend = held[0].backend_pid
+    pid = leader.patroni_pid
+    assert pid is not None
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        wait_until(lambda: all(one.loss for one in held), 15, "every shared lock to be lost")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert {one.loss.kind for one in held if one.loss} <= {
+        LossKind.NOT_LEADER,
+        LossKind.CANNOT_TELL,
+    }
+    with psycopg.connect(leader.dsn, autocommit=True) as look:
+        wait_until(
+            lambda: (
+                look.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (backend,)).fetchone()
+                is None
+            ),
+            10,
+            "the cut shared session to end on the server",
+        )
+    for one in held:
+        with pytest.raises(LockLost):
+            one.release()
+    wait_until(lambda: fence.confirm(server).leader, 30, "the resumed leader to be confirmed")
 
 
 def test_a_longer_ttl_in_patronis_configuration_widens_the_window(

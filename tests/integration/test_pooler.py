@@ -137,25 +137,3 @@ def test_a_session_pooler_excludes_and_is_never_reused(
     finally:
         first.release()
     assert registry.idle_count() == 0
-
-
-def test_a_shared_transaction_behind_a_session_pooler_keeps_the_sessions_settings_and_locks(
-    session_pooler: str, run_id: str
-) -> None:
-    """Behind a session pooler, a shared transaction's reset keeps the token and settings."""
-    dsn = session_pooler
-    first = shared_lock(dsn, f"p:{run_id}:a", shared_sessions=1, pooler="session")
-    assert first.acquire()
-    try:
-        with first.transaction() as conn:
-            conn.execute("SELECT 1")
-        with shared_lock(dsn, f"p:{run_id}:b", shared_sessions=1, pooler="session") as second:
-            assert second.acquired  # the token (pglock.session) survived the reset
-        assert first.held()
-        with first.transaction() as conn:  # the session's G3 settings still in force
-            row = conn.execute("SHOW tcp_user_timeout").fetchone()
-        assert row is not None and row[0] != "0"
-    finally:
-        with contextlib.suppress(LockLost):
-            first.release()
-        registry.close()
