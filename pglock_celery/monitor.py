@@ -497,6 +497,9 @@ class Body:
         with self._mutex:
             self.running = False
             self._held_back = False
+            # An interrupt raised as the body entered the library's code (between the
+            # count and its block) left the count up: nothing is sent any more anyway.
+            self._inside = 0
         if self._context_token is not None:
             running_body.reset(self._context_token)
             self._context_token = None

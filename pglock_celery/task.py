@@ -258,6 +258,12 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
                 body.start()
             try:
                 return super().__call__(*args, **kwargs)
+            except LockLost as exc:
+                if body is not None and body.reason is not None and not exc.args:
+                    # Raised in a pool thread as a bare class (an asynchronous exception
+                    # carries no message): the same words as under every other pool.
+                    raise body.lost() from None
+                raise
             except psycopg.Error as exc:
                 # A failed lock session is a lost lock, whatever the statement
                 # was; an SQL error of the body on a live session is its own.
