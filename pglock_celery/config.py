@@ -103,7 +103,8 @@ def _check_interval(raw: Any) -> float:
     return value
 
 
-def _countdown(raw: Any) -> float:
+def retry_countdown(raw: Any) -> float:
+    """A retry countdown in seconds: finite, above 0, and one Celery can date (ValueError)."""
     value = _positive_float(raw)
     # Celery dates a retry at now plus the countdown; a day more covers any time zone.
     try:
@@ -366,7 +367,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "strategy": _strategy,
     "idle_sessions": _whole,
     "shared_sessions": _positive_int,
-    "retry_countdown": _countdown,
+    "retry_countdown": retry_countdown,
     "report_holder": _boolean,
     "pooler": _pooler,
     "patroni_url": _patroni_url,

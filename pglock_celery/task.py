@@ -24,7 +24,7 @@ import psycopg
 from celery import Celery, Task, signals, states
 from celery.canvas import _chain, chord, group, maybe_signature
 
-from .config import PglockConfig, get_config
+from .config import PglockConfig, get_config, retry_countdown
 from .dsn import parse_dsn
 from .exceptions import (
     ConfigurationError,
@@ -452,15 +452,17 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         countdown = self.lock_retry_countdown
         if countdown is None:
             return
-        if (
-            isinstance(countdown, bool)
-            or not isinstance(countdown, (int, float))
-            or not (countdown > 0)
-        ):
-            raise ConfigurationError(
-                f"task {self.name}: lock_retry_countdown must be a number of seconds above 0 "
-                f"or None, not {countdown!r}"
-            )
+        if isinstance(countdown, bool) or not isinstance(countdown, (int, float)):
+            problem = "must be a number of seconds above 0 or None"
+        else:
+            try:
+                retry_countdown(countdown)
+                return
+            except ValueError as exc:
+                problem = str(exc)
+        raise ConfigurationError(
+            f"task {self.name}: lock_retry_countdown {problem}, not {countdown!r}"
+        )
 
     def _checked_template(self) -> None:
         """Refuse a lock_name that no call could resolve: a field naming an argument the
