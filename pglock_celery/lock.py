@@ -209,8 +209,9 @@ class AdvisoryLock:
         """Ask Postgres whether this session still holds the lock; always a bool.
 
         A session that cannot be asked (closed, broken) holds nothing. A session
-        busy in the holder's pipeline, COPY or transaction is judged from outside
-        (its socket, the server's view). A loss found here is handled whole (the
+        busy in the holder's pipeline, COPY or transaction, or in another thread's
+        statement, is judged from outside (its socket, the server's view), never
+        waited for. A loss found here is handled whole (the
         session cut off, the holder's loss handler told) before False returns; no
         LockLost is raised from it.
         """
@@ -221,7 +222,7 @@ class AdvisoryLock:
             assert hold is not None and hold.session is not None
             if hold.lost is not None:
                 return False
-            loss = self._source.check(hold, wait=True)
+            loss = self._source.check(hold)
             if loss is not None:
                 hold.mark_lost(loss)
                 return False

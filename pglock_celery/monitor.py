@@ -72,7 +72,7 @@ class Source(Protocol):
 
     monitor: Monitor
 
-    def check(self, hold: Hold, *, wait: bool) -> Loss | None: ...
+    def check(self, hold: Hold) -> Loss | None: ...
 
     def end_use(self, hold: Hold, loss: Loss) -> None:
         """End the holder's use of its session after ``loss``, never waiting for it."""
@@ -352,7 +352,7 @@ class Monitor:
     def _check(self, hold: Hold) -> None:
         try:
             if not hold.ended and hold.lost is None:
-                loss = hold.source.check(hold, wait=False)
+                loss = hold.source.check(hold)
                 if loss is not None:
                     hold.mark_lost(loss)
         except Exception:

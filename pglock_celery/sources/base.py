@@ -177,14 +177,14 @@ class Source(abc.ABC):
     def close(self) -> None:
         """Close every session that holds nothing (idle sessions, quiet shared ones, probes)."""
 
-    def check(self, hold: Hold, *, wait: bool) -> Loss | None:
+    def check(self, hold: Hold) -> Loss | None:
         """Return how ``hold``'s lock is lost, or None while held (or when it cannot tell yet).
 
         The leader first (no statement: a busy or frozen session is judged too).
-        Then a session between statements is asked itself, under its guard (with
-        ``wait`` False, a guard in use counts as busy); a busy one (a holder's
-        statement, pipeline, COPY or transaction, a wait for the lock) is judged
-        from outside: its socket, then the server's own view (probe.py).
+        Then a session between statements is asked itself, under its guard; a
+        busy one (its guard in use by another thread, or a holder's pipeline, COPY
+        or transaction, a wait for the lock) is judged from outside, never waited
+        for: its socket, then the server's own view (probe.py).
         """
         session = hold.session
         loss = self.leader_problem(session)
@@ -194,7 +194,7 @@ class Source(abc.ABC):
             return hold.lost
         if session.closed:
             return session_ended("the lock session failed: it is closed")
-        if session.guard.acquire(blocking=wait):
+        if session.guard.acquire(blocking=False):
             try:
                 if (
                     session.pgconn.transaction_status == pq.TransactionStatus.IDLE

@@ -57,7 +57,7 @@ class FakeSource:
         self.calls: list[tuple[str, Any]] = calls if calls is not None else []
         self.checked: list[tuple[Hold, float, threading.Thread]] = []
 
-    def check(self, hold: Hold, *, wait: bool) -> Loss | None:
+    def check(self, hold: Hold) -> Loss | None:
         self.checked.append((hold, time.monotonic(), threading.current_thread()))
         return self._check(hold) if self._check is not None else None
 
@@ -750,7 +750,7 @@ def test_check_asks_the_leader_before_anything_else(config: PglockConfig) -> Non
     source = check_only(config, fence)
     hold = fake_hold(source, closed_session())
     hold.lost = lock_gone("earlier")
-    loss = source.check(hold, wait=False)
+    loss = source.check(hold)
     assert loss is not None
     assert loss.kind is LossKind.NOT_LEADER
     assert "B leads" in loss.detail
@@ -759,7 +759,7 @@ def test_check_asks_the_leader_before_anything_else(config: PglockConfig) -> Non
 def test_check_cannot_tell_when_the_leader_does_not_answer(config: PglockConfig) -> None:
     fence = FakeFence(Confirmation(leader=False, until=0.0, reason="no answer"))
     source = check_only(config, fence)
-    loss = source.check(fake_hold(source, closed_session()), wait=False)
+    loss = source.check(fake_hold(source, closed_session()))
     assert loss is not None
     assert loss.kind is LossKind.CANNOT_TELL
 
@@ -770,12 +770,12 @@ def test_check_of_a_lost_hold_returns_its_loss_without_asking_the_session(
     source = check_only(config)
     hold = fake_hold(source, closed_session())
     hold.lost = earlier = lock_gone("earlier")
-    assert source.check(hold, wait=False) is earlier
+    assert source.check(hold) is earlier
 
 
 def test_check_of_a_closed_session_is_a_session_ended(config: PglockConfig) -> None:
     source = check_only(config)
-    loss = source.check(fake_hold(source, closed_session()), wait=False)
+    loss = source.check(fake_hold(source, closed_session()))
     assert loss is not None
     assert loss.kind is LossKind.SESSION_ENDED
     assert loss.takes_the_session
