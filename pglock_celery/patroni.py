@@ -281,6 +281,8 @@ class Answer:
     date: float | None
     body: Any
     error: str = ""
+    #: No answer came within the timeout (what the fence acts on; ``error`` is for people).
+    timed_out: bool = False
 
 
 def _loop_read_age(answer: Answer) -> float | None:
@@ -525,7 +527,7 @@ class LeaderFence:
             return Answer(0, None, None, "timed out a moment ago (not asked again yet)")
         answer = self._get(member + path)
         with self._guard:
-            if answer.status == 0 and answer.error == TIMED_OUT:
+            if answer.timed_out:
                 self._silent[member] = self._clock() + self.silent_for
             else:
                 self._silent.pop(member, None)
@@ -542,7 +544,7 @@ class LeaderFence:
             except OSError:
                 raw = b""
         except (OSError, ValueError) as exc:
-            return Answer(0, None, None, _describe(exc))
+            return Answer(0, None, None, _describe(exc), timed_out=_is_timeout(exc))
         date: float | None = None
         if headers is not None and headers.get("Date"):
             try:
@@ -556,17 +558,21 @@ class LeaderFence:
         return Answer(status, date, body)
 
 
-#: How _describe names a request that timed out.
-TIMED_OUT = "timed out"
+def _cause(exc: BaseException) -> BaseException:
+    """The error behind urllib's wrapping of it (URLError keeps it as ``reason``)."""
+    reason = getattr(exc, "reason", None)
+    return reason if isinstance(reason, BaseException) else exc
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    return isinstance(_cause(exc), TimeoutError)
 
 
 def _describe(exc: BaseException) -> str:
     """Why a request failed, without the URL (urllib quotes it in some messages)."""
-    reason = getattr(exc, "reason", None)
-    if isinstance(reason, BaseException):
-        exc = reason
-    if isinstance(exc, TimeoutError) or "timed out" in str(exc):
-        return TIMED_OUT
+    exc = _cause(exc)
+    if isinstance(exc, TimeoutError):
+        return "timed out"
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused"
     return type(exc).__name__
