@@ -128,9 +128,14 @@ class EmbeddedPostgres:
         kwargs: dict[str, object] = {}
         if self.user is not None:
             kwargs = {"user": self.user.pw_uid, "group": self.user.pw_gid}
-        return subprocess.run(
-            args, check=check, capture_output=True, text=True, cwd=self.base, **kwargs
-        )
+        done = subprocess.run(args, capture_output=True, text=True, cwd=self.base, **kwargs)
+        if check and done.returncode:
+            log = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+            raise RuntimeError(
+                f"{Path(args[0]).name} {' '.join(args[-1:])} failed ({done.returncode}): "
+                f"{done.stderr.strip() or done.stdout.strip()}\n{log}"
+            )
+        return done
 
     def init(self, *settings: str, password: str | None = None) -> None:
         """Create the cluster; with ``password``, TCP logins need it (SCRAM)."""

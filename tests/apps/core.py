@@ -44,24 +44,21 @@ app.conf.update(
 
 
 # Under pglock_strategy = "shared" a lock session never runs a holder's SQL, so the
-# history is written on a connection of this process's own (one, shared by the pool's
-# threads or greenlets, made after fork), stamped with the lock session's backend.
-_history_conn: psycopg.Connection[Any] | None = None
-_history_mutex = threading.Lock()
+# history is written on a connection of this process's own, stamped with the lock
+# session's backend: a new one per write (a server restart breaks none that outlives
+# it), at most a few at once however many threads or greenlets the pool runs.
+_history_slots = threading.BoundedSemaphore(8)
 
 
 def _write(statement: str, params: tuple[Any, ...]) -> Any:
-    global _history_conn
     lock = current_lock()
     assert lock is not None, "step body ran without a current lock"
     if lock.config.strategy != "shared":
         with lock.transaction() as conn:
             cursor = conn.execute(statement, params)
             return cursor.fetchone() if cursor.description else None
-    with _history_mutex:
-        if _history_conn is None or _history_conn.closed:
-            _history_conn = psycopg.connect(lock.config.require_dsn(), autocommit=True)
-        cursor = _history_conn.execute(statement, params)
+    with _history_slots, psycopg.connect(lock.config.require_dsn(), autocommit=True) as conn:
+        cursor = conn.execute(statement, params)
         return cursor.fetchone() if cursor.description else None
 
 

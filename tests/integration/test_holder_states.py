@@ -21,6 +21,7 @@ import itertools
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -60,6 +61,8 @@ FOUND_WITHIN = 3.0
 GONE_WITHIN = 2.0
 #: How long a pipeline, a COPY or a transaction stays open: past a check interval.
 MOMENT = 0.25
+#: Seconds a long statement runs.
+LONG = 1.0
 #: A fenced transaction on a lost lock fails well within this.
 AT_ONCE = 1.0
 
@@ -81,6 +84,8 @@ class Entry:
         #: How the server lost the lock ("terminated", "unlocked"), whatever the holder knows.
         self.fate: str | None = None
         self.fate_at = 0.0
+        #: Whether the server ended the holder's session (a terminate).
+        self.dead = False
         #: The holder's connection, once it asked for it during this hold.
         self.handle: psycopg.Connection[Any] | None = None
         #: Handles kept on purpose (kind, object): they must all die at release.
@@ -109,6 +114,7 @@ class Entry:
     def reset(self) -> None:
         self.backend_pid = None
         self.fate = None
+        self.dead = False
         self.handle = None
         self.kept = []
         self.open_marks = []
@@ -225,6 +231,7 @@ class HolderLives(RuleBasedStateMachine):
         for other in self.entries:
             if other.lock.acquired and other.backend_pid == pid:
                 other.gone("terminated")
+                other.dead = True
 
     def _connection(self, entry: Entry) -> psycopg.Connection[Any] | None:
         """``lock.connection``, or None after checking why it is refused."""
@@ -245,7 +252,7 @@ class HolderLives(RuleBasedStateMachine):
         try:
             conn = entry.lock.connection
         except psycopg.OperationalError:
-            if _HUNT and entry.fate == "terminated":
+            if _HUNT and entry.dead:
                 return None
             raise
         except LockLost as exc:
@@ -337,7 +344,7 @@ class HolderLives(RuleBasedStateMachine):
             self._expect_lost(entry, exc, "a statement")
             return
         assert row == (1,)
-        assert entry.fate != "terminated", f"{entry}: a statement ran on a terminated session"
+        assert not entry.dead, f"{entry}: a statement ran on a terminated session"
         if entry.fate is None:
             self._written(entry, mark, in_txn)
 
@@ -350,8 +357,12 @@ class HolderLives(RuleBasedStateMachine):
         if conn is None:
             return
         lost_before = entry.fate is not None
+        if lost_before:
+            meanwhile = None  # nothing more to lose
         mark = self._mark()
         in_txn = self._in_transaction(conn)
+        if _HUNT and in_txn and meanwhile == "unlock_all":
+            meanwhile = None
         failed: BaseException | None = None
         try:
             with conn.pipeline():
@@ -370,7 +381,7 @@ class HolderLives(RuleBasedStateMachine):
             failed = exc
         if lost_before:
             # Not fenced: a write before the loss is found may commit, unless the session died.
-            if entry.fate == "terminated":
+            if entry.dead:
                 assert failed is not None, f"{entry}: a pipeline on a terminated session succeeded"
                 assert self._count(mark) == 0, f"{entry}: a pipeline wrote on a terminated session"
             return
@@ -382,6 +393,66 @@ class HolderLives(RuleBasedStateMachine):
         self._written(entry, mark, in_txn)
 
     @precondition(lambda self: bool(self._held()))
+    @rule(data=st.data(), meanwhile=st.sampled_from([None, "terminate", "unlock_all"]))
+    def long_statement(self, data: st.DataObject, meanwhile: str | None) -> None:
+        """A write that runs for a while: a loss meanwhile stops it, and it commits nothing."""
+        entry = data.draw(st.sampled_from(self._held()), label="holder")
+        conn = self._connection(entry)
+        if conn is None:
+            return
+        lost_before = entry.fate is not None
+        if lost_before:
+            meanwhile = None
+        mark = self._mark()
+        in_txn = self._in_transaction(conn)
+        unlock = "pg_advisory_unlock_all() AS unlocked, " if meanwhile == "unlock_all" else ""
+        pid = entry.backend_pid
+        assert pid is not None
+        killer = threading.Timer(MOMENT, terminate, (self.dsn, pid))
+        if meanwhile == "terminate":
+            killer.start()
+        start = time.monotonic()
+        failed: BaseException | None = None
+        try:
+            conn.execute(
+                f"INSERT INTO {self.table} (mark) SELECT %s FROM {unlock}pg_sleep(%s) AS slept",
+                (mark, LONG),
+            )
+        except (psycopg.Error, LockLost) as exc:
+            failed = exc
+        finally:
+            killer.cancel()
+            if meanwhile == "terminate":
+                killer.join()
+        if meanwhile == "terminate":
+            wait_until(lambda: not self._backend_exists(pid), GONE_WITHIN, f"{pid} to end")
+            for other in self.entries:
+                if other.lock.acquired and other.backend_pid == pid:
+                    other.gone("terminated")
+                    other.fate_at = min(other.fate_at, start + MOMENT)
+                    other.dead = True
+        elif meanwhile == "unlock_all":
+            entry.gone("unlocked")
+            entry.fate_at = start
+            self._found_lost(entry, "in a statement under way")
+        if lost_before:
+            if entry.dead:
+                assert failed is not None and self._count(mark) == 0
+            return
+        if meanwhile is None:
+            assert failed is None, f"{entry}: a long statement failed under a held lock: {failed!r}"
+            self._written(entry, mark, in_txn)
+            return
+        assert failed is not None, f"{entry}: a statement outlived the loss of its lock"
+        # Whatever the server was doing for the holder when the loss was found ends with it.
+        time.sleep(max(0.0, start + LONG + MOMENT - time.monotonic()))
+        if not _HUNT:
+            assert self._count(mark) == 0, (
+                f"{entry}: a statement under way when the loss ({meanwhile}) was found "
+                f"({entry.lock.loss}) committed its write after"
+            )
+
+    @precondition(lambda self: bool(self._held()))
     @rule(data=st.data(), meanwhile=st.sampled_from([None, "terminate"]))
     def copy(self, data: st.DataObject, meanwhile: str | None) -> None:
         """A COPY into the table, open for a moment: a loss meanwhile is found all the same."""
@@ -390,6 +461,8 @@ class HolderLives(RuleBasedStateMachine):
         if conn is None:
             return
         lost_before = entry.fate is not None
+        if lost_before:
+            meanwhile = None  # nothing more to lose
         mark = self._mark()
         in_txn = self._in_transaction(conn)
         failed: BaseException | None = None
@@ -406,7 +479,7 @@ class HolderLives(RuleBasedStateMachine):
         except (psycopg.Error, LockLost) as exc:
             failed = exc
         if lost_before or meanwhile is not None:
-            if entry.fate == "terminated" or meanwhile is not None:
+            if entry.dead or meanwhile is not None:
                 assert self._count(mark) == 0, f"{entry}: a COPY wrote after its lock was lost"
                 assert failed is not None, f"{entry}: a COPY on a lost session succeeded"
             return
@@ -462,7 +535,10 @@ class HolderLives(RuleBasedStateMachine):
         except (LockLost, ValueError, psycopg.Error) as exc:
             outcome = exc
         elapsed = time.monotonic() - start
+        if _HUNT and isinstance(outcome, psycopg.OperationalError) and entry.dead:
+            outcome = LockLost("B")
         if lost_before:
+            print("PROBE fenced lost_before", entry.fate, entry.lock.loss is not None, any(r.on_server for r in self._rivals(entry)))
             assert isinstance(outcome, LockLost), (
                 f"{entry}: lock.transaction() on a lost lock ({entry.fate}, "
                 f"found: {entry.lock.loss}) gave {outcome!r}, entered the body: {entered}"
@@ -527,6 +603,8 @@ class HolderLives(RuleBasedStateMachine):
         except (LockLost, psycopg.Error) as exc:
             outcome = exc
         elapsed = time.monotonic() - start
+        if _HUNT and isinstance(outcome, psycopg.OperationalError) and entry.dead:
+            outcome = LockLost("B")
         if lost_before:
             assert isinstance(outcome, LockLost), (
                 f"{entry}: a nested lock.transaction() on a lost lock gave {outcome!r}"
@@ -553,6 +631,8 @@ class HolderLives(RuleBasedStateMachine):
         if conn is None:
             return
         mark = self._mark()
+        if _HUNT and entry.fate is not None and end == "left_open":
+            end = "rollback"
         try:
             if not self._in_transaction(conn):
                 conn.execute("BEGIN")
@@ -586,7 +666,7 @@ class HolderLives(RuleBasedStateMachine):
         except (psycopg.Error, LockLost) as exc:
             self._expect_lost(entry, exc, "pg_advisory_unlock_all()")
             return
-        assert entry.fate != "terminated"
+        assert not entry.dead
         assert not self._server_holds(entry)
         entry.gone("unlocked")
 
@@ -605,6 +685,9 @@ class HolderLives(RuleBasedStateMachine):
         elif kind == "pgconn":
             entry.kept.append((kind, conn.info.pgconn))
         else:
+            if _HUNT and self._in_transaction(conn):
+                conn.execute("ROLLBACK")
+                entry.open_marks.clear()
             conn.close()  # revokes this handle only: the lock stays (invariants)
             with pytest.raises(psycopg.Error):
                 conn.execute("SELECT 1")
@@ -616,6 +699,7 @@ class HolderLives(RuleBasedStateMachine):
         """A handle kept past release runs nothing: no pg_advisory_unlock_all() for anyone."""
         index = data.draw(st.integers(0, len(self.released) - 1), label="kept handle")
         kind, kept, whose = self.released.pop(index)
+        print("PROBE kept", kind)
         statement = "SELECT pg_advisory_unlock_all()"
         if kind == "pgconn":
             finished, result = run_bounded(lambda: kept.exec_(statement.encode()), 3)
@@ -660,23 +744,45 @@ class HolderLives(RuleBasedStateMachine):
     @rule(data=st.data())
     def terminate_a_backend(self, data: st.DataObject) -> None:
         entry = data.draw(st.sampled_from(self._held()), label="holder")
-        if entry.lock.loss is not None or entry.fate == "terminated":
+        if entry.lock.loss is not None or entry.dead:
             return  # already cut, or gone
         self._terminate(entry)
 
     @precondition(lambda self: bool(self._held()))
-    @rule(data=st.data(), seconds=st.sampled_from([0.1, 0.4, 0.8]))
-    def pause_a_backend(self, data: st.DataObject, seconds: float) -> None:
-        """SIGSTOP, then SIGCONT under a second later: no loss, no harm."""
+    @rule(
+        data=st.data(),
+        seconds=st.sampled_from([0.1, 0.4, 0.8]),
+        during=st.sampled_from([None, "statement"]),
+    )
+    def pause_a_backend(self, data: st.DataObject, seconds: float, during: str | None) -> None:
+        """SIGSTOP, then SIGCONT under a second later (mid-statement too): no loss, no harm."""
         entry = data.draw(st.sampled_from(self._held()), label="holder")
         if entry.lock.loss is not None or entry.fate is not None or entry.backend_pid is None:
             return
+        conn = self._connection(entry) if during == "statement" else None
         pid = entry.backend_pid
+        finished: list[BaseException | None] = []
+
+        def run() -> None:
+            assert conn is not None
+            try:
+                conn.execute("SELECT pg_sleep(0.1)")
+                finished.append(None)
+            except BaseException as exc:
+                finished.append(exc)
+
+        runner = threading.Thread(target=run, daemon=True)
+        if conn is not None:
+            runner.start()
+            time.sleep(0.05)
         os.kill(pid, signal.SIGSTOP)
         try:
             time.sleep(seconds)
         finally:
             os.kill(pid, signal.SIGCONT)
+        if conn is not None:
+            runner.join(5)
+            assert finished == [None], f"{entry}: a statement across a pause failed: {finished}"
 
     @rule()
     def terminate_idle_sessions(self) -> None:
@@ -733,6 +839,7 @@ class HolderLives(RuleBasedStateMachine):
             if not entry.lock.acquired or loss is None or entry.loss_checked:
                 continue
             entry.loss_checked = True
+            print("PROBE lost-check", loss.kind, [k for k, _ in entry.kept], entry.handle is not None)
             with pytest.raises(LockLost):
                 entry.lock.connection  # noqa: B018
             with pytest.raises(LockLost):
