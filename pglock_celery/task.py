@@ -75,18 +75,25 @@ def configuration_problems(app: Celery) -> list[str]:
 
     Each problem names the setting as written, or the task and its option, and
     why; an empty list means every call can at least resolve its lock. Found
-    without any call, as a worker starts (see ``_refuse_to_start``). An absent
-    or malformed ``pglock_dsn`` is left to the first lock, which fails closed
-    saying why (never quoting the DSN): the worker's calls report it.
+    without any call, as a worker starts (see ``_refuse_to_start``). An app with
+    a TenantLockedTask needs a lock DSN: an absent or malformed ``pglock_dsn`` is
+    a problem too (never quoting the DSN), so a deploy that forgot it does not
+    pass its readiness checks and then fail every locked call.
     """
     problems: list[str] = []
+    config: PglockConfig | None = None
     try:
-        get_config(app)
+        config = get_config(app)
     except ConfigurationError as exc:
         problems.append(str(exc))
-    for task in app.tasks.values():
-        if isinstance(task, TenantLockedTask):
-            problems.extend(task.configuration_problems())
+    locked = [task for task in app.tasks.values() if isinstance(task, TenantLockedTask)]
+    if locked and config is not None:
+        try:
+            config.require_dsn()
+        except ConfigurationError as exc:
+            problems.append(str(exc))
+    for task in locked:
+        problems.extend(task.configuration_problems())
     return problems
 
 

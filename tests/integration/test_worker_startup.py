@@ -115,3 +115,20 @@ def test_a_worker_refuses_to_start_with_a_bad_task_option_naming_task_and_option
         "which the task cannot take (its parameters: account_id)"
     ) in output
     assert "task misconfigured.onboard: lock_mode must be one of skip, wait, retry" in output
+
+
+@pytest.mark.parametrize(
+    ("dsn", "why"),
+    [
+        ("", "no lock database configured: set the Celery setting pglock_dsn"),
+        ("host=db port=x5432", "not a valid connection string"),
+        ("postgresql://app:s3cret@db:5432/app?bogus_option=1", "not a valid connection string"),
+    ],
+)
+def test_a_worker_without_a_usable_lock_dsn_refuses_to_start_naming_the_setting(
+    start: object, dsn: str, why: str
+) -> None:
+    status, output = start("tests.apps.core", PGLOCK_DSN=dsn)  # type: ignore[operator]
+    assert refused(status, output), (status, output[-3000:])
+    assert why in output and "pglock_dsn" in output
+    assert "s3cret" not in output

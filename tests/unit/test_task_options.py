@@ -18,6 +18,7 @@ def app(monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
     monkeypatch.delenv("PGLOCK_DSN", raising=False)
     app = Celery("unit", set_as_current=False, broker="memory://", backend="cache+memory://")
     app.conf.task_store_eager_result = True
+    app.conf.pglock_dsn = "host=127.0.0.1 dbname=x"  # locked tasks need one to start
     yield app
 
 
@@ -84,8 +85,13 @@ def test_bad_name_fails_the_call_before_any_lock(app: Celery) -> None:
     assert "nope" in str(result.result)
 
 
-def test_missing_dsn_fails_the_first_call_naming_setting_and_variable(app: Celery) -> None:
-    result = make(app).apply((1,))
+def test_missing_dsn_is_found_at_start_and_fails_the_first_call_naming_it(app: Celery) -> None:
+    app.conf.pglock_dsn = None
+    task = make(app)
+    assert any(
+        problem.startswith("no lock database configured") for problem in configuration_problems(app)
+    )
+    result = task.apply((1,))
     assert isinstance(result.result, ConfigurationError)
     assert "pglock_dsn" in str(result.result) and "PGLOCK_DSN" in str(result.result)
 
@@ -204,10 +210,11 @@ def test_an_invalid_setting_is_found_with_the_task_problems(app: Celery) -> None
     assert problems[1].endswith("lock_mode must be one of skip, wait, retry, not 'block'")
 
 
-def test_a_malformed_dsn_is_left_to_the_first_lock_which_fails_closed(app: Celery) -> None:
+def test_a_malformed_dsn_is_found_at_start_and_fails_the_first_lock_closed(app: Celery) -> None:
     app.conf.pglock_dsn = "postgresql://u:Pw9x/7Zq@h/db"
     task = make(app)
-    assert configuration_problems(app) == []
+    [problem] = configuration_problems(app)
+    assert "not a valid connection string" in problem and "Pw9x" not in problem
     result = task.apply((1,))
     assert isinstance(result.result, ConfigurationError)
     assert "not a valid connection string" in str(result.result)
