@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import psycopg
 from celery import Celery, Task, signals, states
 from celery.canvas import _chain, chord, group, maybe_signature
+from celery.exceptions import Ignore
 
 from .config import PglockConfig, get_config, retry_countdown
 from .dsn import parse_dsn
@@ -534,6 +535,18 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         # Close the session before anything is published: it holds nothing.
         lock.release()
         extra = {"lock": name, "task_id": self.request.id, "holder": holder_info}
+        if holder is not None and holder.task_id is not None and holder.task_id == self.request.id:
+            # This very call holds the lock: a copy of it delivered again while it runs
+            # (an expired visibility timeout). The run's own result is the call's; the
+            # copy stores nothing (Ignore: no result, and its message is acked).
+            logger.info(
+                "lock %s is held by task %s[%s] itself: a redelivered copy, ignored",
+                name,
+                self.name,
+                self.request.id,
+                extra=extra,
+            )
+            raise Ignore()
         if mode == RETRY:
             countdown = self.lock_retry_countdown or config.retry_countdown
             logger.info(
