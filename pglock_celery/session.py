@@ -458,50 +458,65 @@ class LockSession:
 
         Safe in any state, from any thread: it only peeks (never consuming what
         libpq or a holder's statement will read), on the session's own socket only
-        (a duplicate pins it, known by its inode). Between statements, anything
-        the server sent unasked is its goodbye (an error, or a warning when a crash
-        resets every backend); while a statement, a pipeline or a COPY is under way
-        only a FATAL or PANIC error, or a connection-ending SQLSTATE (class 57P),
-        is: the rest is the holder's results. A closed or reset connection, or one
-        the keepalives found dead, is not alive either.
+        (a duplicate pins it, known by its inode). Between statements (its guard
+        taken here, so none can start meanwhile), anything the server sent unasked
+        is its goodbye (an error, or a warning when a crash resets every backend);
+        while a statement, a pipeline or a COPY is under way only a FATAL or PANIC
+        error, or a connection-ending SQLSTATE (class 57P), is: the rest is the
+        holder's results. A closed or reset connection, or one the keepalives found
+        dead, is not alive either.
         """
         if self.pid != os.getpid() or self.pgconn.status == pq.ConnStatus.BAD:
             return False
+        quiet = self.guard.acquire(blocking=False)
+        try:
+            pending = self._peek()
+            if pending is None:
+                return True  # nothing arrived: the usual case
+            if not pending:
+                return False  # closed, reset, or found dead by the keepalives
+            between_statements = (
+                quiet
+                and self.pgconn.transaction_status in _BETWEEN_STATEMENTS
+                and not self.pgconn.pipeline_status
+            )
+            if self.pgconn.ssl_in_use:
+                # Encrypted, it cannot be read without consuming it. Unasked data on an
+                # idle session is the server's goodbye in practice (notifications wait
+                # for the end of a transaction); otherwise it may be results.
+                return not (
+                    between_statements
+                    and self.pgconn.transaction_status == pq.TransactionStatus.IDLE
+                )
+            if between_statements:
+                return not any(kind in _GOODBYES for kind, _ in _messages(pending))
+            return not any(_ends_the_session(kind, body) for kind, body in _messages(pending))
+        finally:
+            if quiet:
+                self.guard.release()
+
+    def _peek(self) -> bytes | None:
+        """What the server sent that nobody read yet: None if nothing, b"" if the
+        connection is closed or failed (or the descriptor is no longer the session's)."""
         try:
             pinned = os.dup(self.pgconn.socket)
         except (psycopg.Error, OSError):
-            return False
+            return b""
         try:
             if os.fstat(pinned).st_ino != self._socket_inode:
-                return False  # libpq closed it, and the number is another file's now
+                return b""  # libpq closed it, and the number is another file's now
             # The C socket: gevent's and eventlet's would wait for data instead.
             sock = _socket.socket(fileno=pinned)
             try:
-                pending = sock.recv(_PEEK_BYTES, _socket.MSG_PEEK | _socket.MSG_DONTWAIT)
+                return sock.recv(_PEEK_BYTES, _socket.MSG_PEEK | _socket.MSG_DONTWAIT)
             except BlockingIOError:
-                return True  # nothing arrived: the usual case
+                return None
             except OSError:
-                return False  # reset, or keepalives found the peer gone
+                return b""  # reset, or keepalives found the peer gone
             finally:
                 sock.detach()
         finally:
             os.close(pinned)
-        if not pending:
-            return False  # the server closed the connection
-        between_statements = (
-            self.pgconn.transaction_status in _BETWEEN_STATEMENTS
-            and not self.pgconn.pipeline_status
-        )
-        if self.pgconn.ssl_in_use:
-            # Encrypted, it cannot be read without consuming it. Unasked data on an
-            # idle session is the server's goodbye in practice (notifications wait
-            # for the end of a transaction); otherwise it may be results.
-            return not (
-                between_statements and self.pgconn.transaction_status == pq.TransactionStatus.IDLE
-            )
-        if between_statements and not self.guard_is_taken():
-            return not any(kind in _GOODBYES for kind, _ in _messages(pending))
-        return not any(_ends_the_session(kind, body) for kind, body in _messages(pending))
 
     def guard_is_taken(self) -> bool:
         """Whether a statement of someone's is under way (the guard is held elsewhere)."""

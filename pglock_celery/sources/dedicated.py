@@ -160,6 +160,7 @@ class DedicatedSource(Source):
                 return
             if hold.lost is not None:
                 # Its session was cut when the loss was found: it serves nobody again.
+                session.revoke(f"lock {hold.label} was lost: this connection is closed")
                 raise LockLost(f"lock {hold.label} was lost while held: {hold.lost}")
             keep = self._unlock(session, hold) and clean
             if keep and session.handed_out:
