@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+import threading
 import weakref
 from contextvars import ContextVar
 from types import TracebackType
@@ -95,6 +97,17 @@ class AdvisoryLock:
         #: Where the session of the last acquire came from.
         self._source: Source = registry.by_config.get(config) or registry.source(config)
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        # The thread (and greenlet) that acquired it: the only one that runs its body.
+        self._owner: tuple[int, int] | None = None
+
+    def owned_here(self) -> bool:
+        """Whether the caller runs in the thread (and greenlet) that took the lock.
+
+        A context copied into another thread (``asyncio.to_thread``, an executor
+        given ``copy_context().run``) sees the same current_lock(), but is not the
+        body that holds it.
+        """
+        return self._owner is not None and self._owner == _caller()
 
     @property
     def acquired(self) -> bool:
@@ -188,6 +201,7 @@ class AdvisoryLock:
                     source.release(hold, clean=False)
                 raise LockLost(f"lock {self.label} was granted but not valid: {loss}")
         self._hold = hold
+        self._owner = _caller()
         if granted:
             monitor.watch(hold)
         # Dropped without release, the lock and its session are still freed.
@@ -315,6 +329,12 @@ class AdvisoryLock:
                 type(error).__name__,
                 extra={"lock": self.label, "key": self.key},
             )
+
+
+def _caller() -> tuple[int, int]:
+    """The calling thread and greenlet (0 without greenlet)."""
+    greenlet = sys.modules.get("greenlet")
+    return threading.get_ident(), id(greenlet.getcurrent()) if greenlet is not None else 0
 
 
 def _abandon(source: Source, hold: Hold) -> None:

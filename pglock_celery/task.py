@@ -207,11 +207,17 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         config = get_config(self.app)
         config.require_dsn()
         outer = current_lock()
-        if outer is not None and outer.name == name and _same_database(outer.config, config):
+        if (
+            outer is not None
+            and outer.name == name
+            and outer.owned_here()
+            and _same_database(outer.config, config)
+        ):
             # Called inline by the body that holds this very lock in this very
-            # database (apply(), a direct call): it runs under that hold. Other
-            # threads, greenlets and processes have their own context and still
-            # exclude; a call whose lock lives in another database takes it there.
+            # database (apply(), a direct call), in its own thread and greenlet: it
+            # runs under that hold. Other threads, greenlets and processes still
+            # exclude, a context copied into another thread too; a call whose lock
+            # lives in another database takes it there.
             call_token = _this_call.set(None)
             try:
                 return super().__call__(*args, **kwargs)

@@ -324,9 +324,12 @@ class HolderLives(RuleBasedStateMachine):
         self._take(data.draw(st.sampled_from(self._not_held()), label="holder"))
 
     @precondition(lambda self: bool(self._held()))
-    @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), found_first=st.booleans())
+    def release(self, data: st.DataObject, found_first: bool) -> None:
+        """Release (with ``found_first``, a lost lock once the library found the loss)."""
         entry = data.draw(st.sampled_from(self._held()), label="holder")
+        if found_first and entry.fate is not None:
+            self._found_lost(entry, "before its release")
         lost = entry.fate is not None or entry.lock.loss is not None
         if lost:
             with pytest.raises(LockLost):
@@ -666,6 +669,8 @@ class HolderLives(RuleBasedStateMachine):
         elif kind == "pgconn":
             entry.kept.append((kind, conn.info.pgconn))
         else:
+            if self._in_transaction(conn):
+                return
             conn.close()  # revokes this handle only: the lock stays (invariants)
             with pytest.raises(psycopg.Error):
                 conn.execute("SELECT 1")

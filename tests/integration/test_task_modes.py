@@ -6,6 +6,9 @@ server are real; only the broker is left out.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextvars
 import logging
 import os
 import socket
@@ -632,6 +635,32 @@ def test_other_threads_still_exclude_while_a_body_holds_the_lock(
         return seen[0]
 
     assert advance.apply((run_id,)).get()["skipped"] is True
+
+
+@pytest.mark.parametrize("copied", ["asyncio.to_thread", "executor with copy_context"])
+def test_a_thread_given_a_copy_of_the_bodys_context_still_excludes(
+    eager_app: Celery, run_id: str, copied: str
+) -> None:
+    """A context copied into another thread carries current_lock(), but that thread is
+    not the body: its call of the same-lock task skips instead of running inline."""
+
+    @eager_app.task(base=TenantLockedTask, lock_name="pipeline:{tenant}", shared=False)
+    def step(tenant: str) -> Any:
+        return "ran"
+
+    def call_in_a_copied_context(tenant: str) -> Any:
+        if copied == "asyncio.to_thread":
+            return asyncio.run(asyncio.to_thread(lambda: step.apply((tenant,)).get()))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            context = contextvars.copy_context()
+            return pool.submit(context.run, lambda: step.apply((tenant,)).get()).result(10)
+
+    @eager_app.task(base=TenantLockedTask, lock_name="pipeline:{tenant}", shared=False)
+    def advance(tenant: str) -> Any:
+        return call_in_a_copied_context(tenant)
+
+    result = advance.apply((run_id,)).get()
+    assert isinstance(result, dict) and result["skipped"] is True, result
 
 
 def test_an_sql_error_in_the_bodys_transaction_is_the_bodys_own(
