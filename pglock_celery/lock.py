@@ -174,8 +174,21 @@ class AdvisoryLock:
         """Take the lock on a session of its own; return whether it is held.
 
         Raises LockUnavailable when no session can be opened or used, and
-        LockTimeout when a waiting lock is not granted within its timeout.
+        LockTimeout when a waiting lock is not granted within its timeout. Inside
+        a body whose own lock is lost meanwhile, the body's LockLost comes once
+        this acquire is over, and a lock it took is let go first (nothing of it
+        stays held).
         """
+        try:
+            with library_code():
+                return self._acquire()
+        except LockLost:
+            if self._hold is not None and self._hold.granted:
+                with contextlib.suppress(PglockError):
+                    self.release(reusable=False)
+            raise
+
+    def _acquire(self) -> bool:
         if self._hold is not None:
             if self._hold.granted:
                 raise RuntimeError(f"lock {self.label} is already held by this object")
@@ -270,6 +283,10 @@ class AdvisoryLock:
         compatibility: every release waits. In a forked child nothing is sent:
         the session is the parent's.
         """
+        with library_code():
+            self._release(reusable)
+
+    def _release(self, reusable: bool) -> None:
         hold, self._hold = self._hold, None
         self._released_loss = hold.lost if hold is not None else None
         if self._finalizer is not None:

@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -411,6 +412,7 @@ class LockSession:
         # What refers to the libpq connection while nobody but the session does (its
         # own attribute and its library connection's): see referenced_elsewhere().
         self._own_references = sys.getrefcount(self.pgconn)
+        self._own_weak_references = weakref.getweakrefcount(self.pgconn)
 
     def __repr__(self) -> str:
         return f"<LockSession backend {self.backend_pid} of process {self.pid}>"
@@ -433,11 +435,17 @@ class LockSession:
         """Whether anything but the session refers to its libpq connection (after revoke).
 
         A holder's code may have kept it (``conn.info.pgconn``, a cursor, a
-        transaction or copy object, a pipeline): such a session is never handed to
-        another holder, since what was kept could still drive it. Decided by what
-        refers to the object, not by who read it.
+        transaction or copy object, a pipeline, a weak reference): such a session is
+        never handed to another holder, since what was kept could still drive it.
+        Decided by what refers to the object, not by who read it. (Code that copies
+        the socket's descriptor or libpq's C pointer goes around Python and is out
+        of its reach.)
         """
-        return sys.getrefcount(self.pgconn) > self._own_references
+        # Counted exactly as in __init__ (no local name: it would count itself).
+        return (
+            sys.getrefcount(self.pgconn) > self._own_references
+            or weakref.getweakrefcount(self.pgconn) > self._own_weak_references
+        )
 
     def revoke(self, message: str) -> None:
         """Make every handle given out so far fail on its next statement."""
@@ -576,7 +584,12 @@ class LockSession:
         if deadline == "default":
             deadline = self.statement_deadline
         with self.guard:
-            if name in self._prepared:
+            if self.handed_out:
+                # A holder with a handle can DEALLOCATE or PREPARE under our names (its
+                # own pglock_check returning "held"): nothing prepared is trusted then.
+                pgconn.send_query_params(text, params)
+                result = self._result(deadline)
+            elif name in self._prepared:
                 pgconn.send_query_prepared(name, params)
                 result = self._result(deadline)
                 if result.error_field(pq.DiagnosticField.SQLSTATE) == _NO_SUCH_STATEMENT:

@@ -8,14 +8,16 @@ that give a session of one's own.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 
-from pglock_celery import LockUnavailable
-from tests.support.locks import DEDICATED, free_elsewhere, lock
+from pglock_celery import LockLost, LockUnavailable
+from tests.support.locks import DEDICATED, free_elsewhere, held_elsewhere, lock
 
 pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across tests
 
@@ -126,6 +128,53 @@ def test_a_kept_libpq_connection_runs_nothing_on_the_next_holders_session(
     assert not free_elsewhere(pg_dsn, f"t:B:{run_id}")
     assert second.held()
     second.release()
+
+
+@pytest.mark.parametrize("strategy", DEDICATED)
+def test_a_weak_reference_kept_to_the_libpq_connection_keeps_the_session_from_reuse(
+    pg_dsn: str, run_id: str, strategy: str
+) -> None:
+    """A weak reference counts as a reference: the next holder never gets that session."""
+    first = lock(pg_dsn, f"t:A:{run_id}", strategy=strategy)
+    assert first.acquire()
+    kept = weakref.ref(first.connection.pgconn)
+    first.release()
+    second = lock(pg_dsn, f"t:B:{run_id}", strategy=strategy)
+    assert second.acquire()
+    try:
+        pgconn = kept()
+        if pgconn is not None:
+            result = pgconn.exec_(b"SELECT pg_advisory_unlock_all()")
+            assert result.status != psycopg.pq.ExecStatus.TUPLES_OK
+    except psycopg.Error:
+        pass  # the connection it refers to is closed
+    assert not free_elsewhere(pg_dsn, f"t:B:{run_id}")
+    assert second.held()
+    second.release()
+
+
+@pytest.mark.parametrize("strategy", DEDICATED)
+def test_a_holder_that_prepares_a_statement_under_the_librarys_name_cannot_fake_its_check(
+    pg_dsn: str, run_id: str, strategy: str
+) -> None:
+    """The library's check is never a statement a holder could have prepared in its place:
+    a holder that frees its lock and plants its own pglock_check is found lost."""
+    name = f"t:P:{run_id}"
+    held = lock(pg_dsn, name, strategy=strategy, check_interval=60)
+    assert held.acquire()
+    assert held.held() and held.held()  # the library's check has run, and been prepared
+    conn = held.connection
+    with contextlib.suppress(psycopg.Error):
+        conn.execute("DEALLOCATE pglock_check")
+    conn.execute("PREPARE pglock_check (int8) AS SELECT false, true")
+    conn.execute("SELECT pg_advisory_unlock_all()")
+    other = held_elsewhere(pg_dsn, name)
+    try:
+        assert held.held() is False
+    finally:
+        other.close()
+    with pytest.raises(LockLost):
+        held.release()
 
 
 def _use_a_cursor_and_return(held: Any) -> int:
