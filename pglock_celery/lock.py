@@ -298,8 +298,14 @@ class AdvisoryLock:
         if session.pid != os.getpid():
             hold.end()  # a forked child: the parent's session, its guard too
             return
-        with session.guard:  # no handle is given out after this
+        # No handle is given out after this. A statement of another thread's that
+        # keeps the guard is not waited for past the deadline: the source ends it.
+        taken = session.guard.acquire(timeout=session.statement_deadline or -1)
+        try:
             hold.end()
+        finally:
+            if taken:
+                session.guard.release()
         self._source.monitor.unwatch(hold)
         self._source.release(hold, clean=reusable)
 

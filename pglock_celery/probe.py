@@ -104,6 +104,28 @@ class Probe:
             return lock_gone("the server shows the lock free while its session is busy")
         return None
 
+    def end_backend(self, session: LockSession, timeout: float) -> bool:
+        """End ``session``'s backend on the server and wait up to ``timeout`` s for it to exit.
+
+        For a session that a holder's statement keeps busy: once this returns True
+        the backend is gone, with its locks, and nothing it was running commits.
+        False when the server did not confirm it in time (or could not be asked).
+        """
+        assert session.backend_started is not None
+        params = (
+            str(session.backend_pid).encode(),
+            str(session.backend_started).encode(),
+            str(max(1, round(timeout * 1000))).encode(),
+        )
+        with self._mutex:
+            try:
+                result = self._open().query(*sql.END_BACKEND, params, deadline=timeout + 5.0)
+            except (psycopg.Error, LockUnavailable) as exc:
+                self._drop()
+                logger.warning("the lock probe could not end a busy session: %s", one_line(exc))
+                return False
+        return result.get_value(0, 0) == b"t"
+
     def _unanswered(self, exc: BaseException) -> Loss | None:
         cause = exc.__cause__ if isinstance(exc, LockUnavailable) else exc
         if isinstance(cause, psycopg.Error) and cause.sqlstate is not None:

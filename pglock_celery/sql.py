@@ -213,6 +213,18 @@ CHECK: Statement = (
     b" THEN pg_catalog.pg_try_advisory_lock($1::pg_catalog.int8) ELSE false END"
     b" ELSE false END",
 )
+#: End a lock session's backend from outside and wait (up to $3 ms) until it has
+#: exited, so its locks are free and no statement of it can still commit; true when it
+#: is gone (also when it already was: its start no longer matches). $1 backend pid,
+#: $2 backend start (microseconds since 1970), $3 milliseconds to wait.
+END_BACKEND: Statement = (
+    b"pglock_end_backend",
+    b"SELECT CASE WHEN EXISTS (SELECT FROM pg_catalog.pg_stat_get_activity($1::pg_catalog.int4)"
+    b" AS a WHERE (EXTRACT(epoch FROM a.backend_start) * 1000000)::pg_catalog.int8"
+    b" = $2::pg_catalog.int8)"
+    b" THEN pg_catalog.pg_terminate_backend($1::pg_catalog.int4, $3::pg_catalog.int8)"
+    b" ELSE true END",
+)
 #: The server's own view of a lock session that is busy (a holder's statement,
 #: pipeline, COPY or transaction), asked on a session of its own (probe.py): the same
 #: server (its start, in microseconds since 1970), the session's backend still there

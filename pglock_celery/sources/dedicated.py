@@ -26,9 +26,9 @@ from psycopg.pq import TransactionStatus
 from .. import sql
 from ..config import PglockConfig
 from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
-from ..loss import Loss
+from ..loss import Loss, LossKind
 from ..monitor import Hold, one_line
-from ..session import LockSession, idle_name, open_session, stamped
+from ..session import STATEMENT_DEADLINE, LockSession, idle_name, open_session, stamped
 from .base import REUSE, Registry, Source, fenced_transaction
 
 
@@ -188,37 +188,64 @@ class DedicatedSource(Source):
                 self._discard(session)
 
     def _unlock(self, session: LockSession, hold: Hold) -> bool:
-        """Unlock and wait for it; whether the session may be used again, or LockLost."""
+        """Unlock and wait for it; whether the session may be used again, or LockLost.
+
+        A session that a statement still keeps busy (another thread's, one sent
+        around the library, an open pipeline) cannot run the unlock: its backend
+        is ended from outside instead, and the release returns once the server
+        confirms it gone (a release is a release), never waiting for that
+        statement longer than the statement deadline.
+        """
         label = hold.label
         if session.handed_out:
             session.revoke(f"lock {label} was released: this connection is closed")
         clean = True
         key = str(hold.key).encode()
+        deadline = session.statement_deadline or STATEMENT_DEADLINE
+        if not session.guard.acquire(timeout=deadline):
+            return self._end_busy(session, hold)
         try:
-            with session.guard:
-                status = session.pgconn.transaction_status
-                if status not in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
-                    if status == TransactionStatus.ACTIVE:
-                        # A statement still runs (sent around the library): closing
-                        # the session is the only clean way out.
-                        return False
-                    session.conn.rollback()  # made under the lock: it must not outlive it
-                    clean = False
-                if self.reuse:
-                    params = (key, self._idle_name.encode())
-                    unlocked = session.query(*sql.UNLOCK_FOR_REUSE, params).get_value(0, 0)
-                else:
-                    unlocked = session.query(*sql.UNLOCK, (key,)).get_value(0, 0)
+            status = session.pgconn.transaction_status
+            if status == TransactionStatus.ACTIVE or session.pgconn.pipeline_status:
+                return self._end_busy(session, hold)
+            if status not in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
+                session.conn.rollback()  # made under the lock: it must not outlive it
+                clean = False
+            if self.reuse:
+                params = (key, self._idle_name.encode())
+                unlocked = session.query(*sql.UNLOCK_FOR_REUSE, params).get_value(0, 0)
+            else:
+                unlocked = session.query(*sql.UNLOCK, (key,)).get_value(0, 0)
         except psycopg.Error as exc:
             self.monitor.count_loss("at_release")
             raise LockLost(
                 f"lock {label}: the session failed at release, so the lock "
                 f"was lost before it: {one_line(exc)}"
             ) from exc
+        finally:
+            session.guard.release()
         if unlocked != b"t":
             self.monitor.count_loss("at_release")
             raise LockLost(f"lock {label} was no longer held at release")
-        return clean and not session.pgconn.pipeline_status
+        return clean
+
+    def _end_busy(self, session: LockSession, hold: Hold) -> bool:
+        """Release a session a statement keeps busy: cut it, end its backend, wait for that.
+
+        Returns False (the session is not used again) once the server confirms
+        the backend gone; raises LockLost when it does not within the deadline:
+        the lock may then stay held until the server notices the cut connection.
+        """
+        session.cut()
+        deadline = session.statement_deadline or STATEMENT_DEADLINE
+        if session.backend_started is not None and self._probe(session).end_backend(
+            session, deadline
+        ):
+            return False
+        raise LockLost(
+            f"lock {hold.label}: a statement kept its session busy at release, and the "
+            f"server did not confirm within {deadline:g} s that it ended the session"
+        )
 
     # -- what a holder touches ---------------------------------------------------------
 
@@ -240,13 +267,24 @@ class DedicatedSource(Source):
     def end_use(self, hold: Hold, loss: Loss) -> None:
         """Cut the session: it is the holder's alone, and no statement of its may follow.
 
-        A statement under way fails at once, even on a server that will never
-        answer it; nothing more reaches the server, which ends the backend (and
-        rolls back its transaction) as it reads the end of the connection.
+        A statement under way fails at once on the client, even on a server that
+        will never answer it; nothing more reaches the server, which ends the
+        backend (and rolls back its transaction) as it reads the end of the
+        connection. A backend still running a statement of the holder's on a
+        session that lost its lock while alive is ended from outside too, and
+        waited for, so that statement commits nothing after the loss was found.
         """
         session = hold.session
-        if session is not None:
-            session.cut()
+        if session is None or session.pid != os.getpid():
+            return
+        busy = (
+            session.guard_is_taken()
+            or bool(session.pgconn.pipeline_status)
+            or session.pgconn.transaction_status == TransactionStatus.ACTIVE
+        )
+        session.cut()
+        if busy and loss.kind is LossKind.LOCK_GONE and session.backend_started is not None:
+            self._probe(session).end_backend(session, session.statement_deadline or 5.0)
 
     def close(self) -> None:
         with self._mutex:

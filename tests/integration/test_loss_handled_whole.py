@@ -10,6 +10,7 @@ never taking the lock back.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -143,3 +144,27 @@ def test_a_transaction_proves_its_lock_and_commits_while_it_is_held(
     with psycopg.connect(pg_dsn) as check:
         assert check.execute(f"SELECT count(*) FROM {table}").fetchone() == (1,)
     assert free_elsewhere(pg_dsn, name)
+
+
+@pytest.mark.parametrize("strategy", DEDICATED)
+def test_a_statement_still_running_when_its_lock_is_found_gone_commits_nothing(
+    pg_dsn: str, admin: psycopg.Connection[Any], run_id: str, table: str, strategy: str
+) -> None:
+    """The holder's own statement frees the lock and runs on (a sleep, then a write): the
+    monitor finds the key free from outside, ends the backend and waits for it before
+    anyone is told, so the write after the loss never commits."""
+    held = lock(pg_dsn, f"run:{run_id}", strategy=strategy, check_interval=0.2)
+    assert held.acquire()
+    conn = held.connection
+    backend = held.backend_pid
+    assert backend is not None
+    with contextlib.suppress(psycopg.Error):
+        conn.execute(  # one simple query: three statements the server runs in a row
+            f"SELECT pg_advisory_unlock_all(); SELECT pg_sleep(3); INSERT INTO {table} VALUES (1)"
+        )
+    assert held.loss is not None and held.loss.kind is LossKind.LOCK_GONE
+    wait_until(lambda: backend_gone(admin, backend), 5, "the lost session to end")
+    with psycopg.connect(pg_dsn) as check:
+        assert check.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,)
+    with pytest.raises(LockLost):
+        held.release()

@@ -14,11 +14,14 @@ import signal
 import threading
 import time
 
+import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.locks import STRATEGIES, free_elsewhere, lock
+from pglock_celery import LockLost
+from tests.support.locks import DEDICATED, STRATEGIES, free_elsewhere, lock
+from tests.support.services import wait_until
 
 pytestmark = pytest.mark.usefixtures("empty_cache")  # no idle session across tests
 
@@ -80,3 +83,78 @@ def test_whatever_the_holder_did_another_session_takes_the_lock_right_after_rele
             if raised:
                 raise RuntimeError("the body failed")
     assert free_elsewhere(pg_dsn, name), f"{strategy}/{used}: held after release"
+
+
+#: How long a release may take when a statement keeps its session busy: the wait for the
+#: session's guard (the statement deadline, 5 s) and the server ending the backend.
+BUSY_RELEASE_BOUND = 12.0
+
+
+@pytest.mark.parametrize("busy", ["a statement sent around psycopg", "an open pipeline"])
+@pytest.mark.parametrize("strategy", DEDICATED)
+def test_a_release_with_a_statement_still_running_returns_only_once_the_lock_is_free(
+    pg_dsn: str, run_id: str, strategy: str, busy: str
+) -> None:
+    """The holder leaves a long statement running on its session: release() ends the
+    backend from outside and returns once the server freed the lock (G10)."""
+    name = f"busy:{run_id}"
+    held = lock(pg_dsn, name, strategy=strategy)
+    assert held.acquire()
+    conn = held.connection
+    stack = contextlib.ExitStack()
+    if busy == "an open pipeline":
+        stack.enter_context(conn.pipeline())
+        conn.execute("SELECT pg_sleep(30)")
+        conn.pgconn.flush()
+    else:
+        conn.pgconn.send_query(b"SELECT pg_sleep(30)")
+    started = time.monotonic()
+    with contextlib.suppress(LockLost):
+        held.release()
+    took = time.monotonic() - started
+    free = free_elsewhere(pg_dsn, name)
+    with contextlib.suppress(psycopg.Error):
+        stack.close()  # the pipeline ends on a connection that is gone
+    assert free, f"{busy}: the lock was held after release"
+    assert took < BUSY_RELEASE_BOUND, f"{busy}: release took {took:.1f} s"
+
+
+@pytest.mark.parametrize("strategy", DEDICATED)
+def test_a_release_behind_another_threads_statement_ends_it_within_the_bound(
+    pg_dsn: str, run_id: str, strategy: str
+) -> None:
+    """Another thread of the holder is in a long statement on the lock's connection:
+    release() does not wait for it past the deadline, and the lock is free when it
+    returns."""
+    name = f"other:{run_id}"
+    held = lock(pg_dsn, name, strategy=strategy)
+    assert held.acquire()
+    conn = held.connection
+    outcome: list[BaseException | None] = []
+
+    def statement() -> None:
+        try:
+            conn.execute("SELECT pg_sleep(30)")
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=statement)
+    thread.start()
+    with psycopg.connect(pg_dsn, autocommit=True) as look:
+        wait_until(
+            lambda: look.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND query LIKE 'SELECT pg_sleep%%'",
+                (held.backend_pid,),
+            ).fetchone(),
+            10,
+            "the other thread's statement to run",
+        )
+    started = time.monotonic()
+    with contextlib.suppress(LockLost):
+        held.release()
+    took = time.monotonic() - started
+    assert free_elsewhere(pg_dsn, name)
+    assert took < BUSY_RELEASE_BOUND, f"release took {took:.1f} s"
+    thread.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], psycopg.Error), outcome
