@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from collections.abc import Callable, Generator
 from types import TracebackType
 from typing import Any
@@ -75,6 +76,11 @@ def finish_interrupted(
 CANCEL_WAIT = 5.0
 
 
+class StatementDeadline(psycopg.OperationalError):
+    """A statement of the library's got no answer within its deadline: the server is
+    frozen or gone, and the session is not used again."""
+
+
 class SessionConnection(psycopg.Connection[Any]):
     """A psycopg connection whose waits yield to gevent's or eventlet's hub when in use.
 
@@ -92,9 +98,11 @@ class SessionConnection(psycopg.Connection[Any]):
         interval: float = 0.1,
         timeout: float | None = None,
     ) -> Any:
-        if timeout is None:
+        ours = timeout is None and self.statement_deadline is not None
+        if ours:
             timeout = self.statement_deadline
         green = green_wait()
+        started = time.monotonic()
         # A lost lock's interrupt waits until the statement is over: the session is cut
         # first (monitor.Hold.mark_lost), so the statement ends at once all the same.
         with library_code():
@@ -102,7 +110,12 @@ class SessionConnection(psycopg.Connection[Any]):
                 if green is not None:
                     return green(gen, self.pgconn.socket, interval=interval, timeout=timeout)
                 return super().wait(gen, interval, timeout)
-            except psycopg.Error:
+            except psycopg.Error as exc:
+                if ours and timeout is not None and time.monotonic() - started >= timeout:
+                    # The library's deadline, not a caller's timeout (notifies(), ...).
+                    raise StatementDeadline(
+                        f"the server did not answer within {timeout:g} s"
+                    ) from exc
                 raise
             except BaseException:
                 # A time limit (SoftTimeLimitExceeded, gevent.Timeout) cut the wait: the

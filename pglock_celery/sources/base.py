@@ -15,6 +15,7 @@ from psycopg import pq
 from .. import sql
 from ..config import PglockConfig
 from ..exceptions import LockLost
+from ..handles import SessionConnection, StatementDeadline
 from ..inspect import Holder, holder_on
 from ..loss import Loss, LossKind, lock_gone, session_ended
 from ..monitor import Hold, Monitor, one_line
@@ -57,15 +58,16 @@ def fenced_transaction(
         return
     key = hold.key
     proven = False
+    deadline = session.statement_deadline
     try:
-        with handle.transaction() as outer:
-            with library_code():
+        with _bounded(handle, deadline), handle.transaction() as outer:
+            with library_code(), _bounded(handle, deadline):
                 row = handle.execute(sql.PROVE_AND_PIN, (key, key, key)).fetchone()
                 proven = row is not None and row[0] is True
             if not proven:
                 raise psycopg.Rollback(outer)
             try:
-                with handle.transaction():  # a savepoint: the body's work alone
+                with _bounded(handle, None), handle.transaction():  # the body's savepoint
                     yield handle
             finally:
                 if handle.pgconn.transaction_status == pq.TransactionStatus.INTRANS:
@@ -73,6 +75,13 @@ def fenced_transaction(
                         handle.execute(sql.RESTORE_AFTER_TRANSACTION, (key,))
             with library_code():
                 before_commit()
+    except StatementDeadline as exc:
+        loss = hold.lost or Loss(
+            LossKind.CANNOT_TELL,
+            f"the server did not answer the lock transaction's own statement: {one_line(exc)}",
+        )
+        hold.mark_lost(loss)
+        raise LockLost(f"lock {hold.label} was lost: {loss}") from exc
     except psycopg.Error as exc:
         if session.closed or not session.alive():
             loss = hold.lost or session_ended(
@@ -85,6 +94,21 @@ def fenced_transaction(
         loss = lock_gone("the session no longer holds the lock (found as the transaction began)")
         hold.mark_lost(loss)
         raise LockLost(f"lock {hold.label} was lost: {hold.lost or loss}")
+
+
+@contextlib.contextmanager
+def _bounded(handle: psycopg.Connection[Any], seconds: float | None) -> Iterator[None]:
+    """Let each wait of ``handle`` last at most ``seconds`` (None: no bound) meanwhile.
+
+    The transaction's own statements (BEGIN, the proof, the restore, COMMIT) are the
+    library's and bounded; the body's statements inside it are the holder's, and not.
+    """
+    assert isinstance(handle, SessionConnection)
+    before, handle.statement_deadline = handle.statement_deadline, seconds
+    try:
+        yield
+    finally:
+        handle.statement_deadline = before
 
 
 class Source(abc.ABC):

@@ -11,6 +11,9 @@ never taking the lock back.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -19,6 +22,7 @@ import pytest
 
 from pglock_celery import LockLost, TenantLockedTask, current_lock
 from pglock_celery.loss import LossKind
+from pglock_celery.session import STATEMENT_DEADLINE
 from tests.support.locks import DEDICATED, eager_app, free_elsewhere, held_elsewhere, lock
 from tests.support.services import wait_until
 
@@ -164,6 +168,44 @@ def test_a_statement_still_running_when_its_lock_is_found_gone_commits_nothing(
         )
     assert held.loss is not None and held.loss.kind is LossKind.LOCK_GONE
     wait_until(lambda: backend_gone(admin, backend), 5, "the lost session to end")
+    with psycopg.connect(pg_dsn) as check:
+        assert check.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,)
+    with pytest.raises(LockLost):
+        held.release()
+
+
+@pytest.mark.parametrize("strategy", DEDICATED)
+def test_a_transaction_on_a_frozen_backend_ends_with_lock_lost_within_the_deadline(
+    pg_dsn: str, run_id: str, table: str, strategy: str
+) -> None:
+    """The transaction's own statements (BEGIN, the proof, COMMIT) are the library's and
+    bounded: on a backend that stops answering it fails with LockLost, never waits on."""
+    held = lock(pg_dsn, f"frozen:{run_id}", strategy=strategy, check_interval=60)
+    assert held.acquire()
+    backend = held.backend_pid
+    assert backend is not None
+    outcome: list[BaseException | str] = []
+
+    def write() -> None:
+        try:
+            with held.transaction() as conn:
+                conn.execute(f"INSERT INTO {table} VALUES (1)")
+            outcome.append("committed")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    os.kill(backend, signal.SIGSTOP)
+    try:
+        thread = threading.Thread(target=write)
+        thread.start()
+        thread.join(STATEMENT_DEADLINE + 5)
+        ended = not thread.is_alive()
+    finally:
+        os.kill(backend, signal.SIGCONT)
+    thread.join(10)
+    assert ended, "the transaction waited on a frozen backend past its deadline"
+    assert len(outcome) == 1 and isinstance(outcome[0], LockLost), outcome
+    assert held.loss is not None and held.loss.kind is LossKind.CANNOT_TELL
     with psycopg.connect(pg_dsn) as check:
         assert check.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,)
     with pytest.raises(LockLost):
