@@ -270,18 +270,25 @@ class PglockConfig:
     patroni_url: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        """Refuse a number that no lock session could use, as load_config does.
+        """Refuse a value that no lock session could use, as load_config does.
 
-        A config built directly (``AdvisoryLock(config=PglockConfig(...))``) skips the
-        parsers: an infinite timeout would otherwise fail every lock with a bare error.
+        A config built directly (``AdvisoryLock(config=PglockConfig(...))``) skips
+        load_config: every field but the DSN (checked at the first lock, never
+        shown) and the Patroni URLs goes through its parser here, and is kept as
+        parsed (``keepalives_idle=1.0`` becomes 1, ``strategy="bogus"`` is refused).
         """
         problems: list[str] = []
-        for name in _NUMBERS:
+        for name, parse in _PARSERS.items():
+            if name in ("dsn", "patroni_url"):
+                continue
             value = getattr(self, name)
             try:
-                _PARSERS[name](value)
+                parsed = parse(value)
             except (TypeError, ValueError) as exc:
                 problems.append(f"{name}={value!r}: {exc}")
+                continue
+            if type(parsed) is not type(value) or parsed != value:
+                object.__setattr__(self, name, parsed)
         if problems:
             raise ConfigurationError(f"invalid PglockConfig: {'; '.join(problems)}")
 
@@ -372,13 +379,6 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "pooler": _pooler,
     "patroni_url": _patroni_url,
 }
-
-#: The settings that are numbers: checked again on a PglockConfig built directly.
-_NUMBERS = tuple(
-    field.name
-    for field in dataclasses.fields(PglockConfig)
-    if isinstance(field.default, (int, float)) and not isinstance(field.default, bool)
-)
 
 #: Every setting: (app.conf key, environment variable, default).
 SETTINGS: tuple[tuple[str, str, Any], ...] = tuple(

@@ -260,3 +260,25 @@ def test_a_config_built_directly_with_an_infinite_setting_is_refused() -> None:
 
 def test_the_defaults_are_accepted_and_give_a_session_libpq_takes() -> None:
     assert_libpq_and_postgres_take(PglockConfig(dsn="dbname=test"))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("strategy", "bogus"),
+        ("on_lost", "kill"),
+        ("pooler", "transaction"),
+        ("report_holder", "maybe"),
+        ("application_name", "has|bar"),
+    ],
+)
+def test_a_config_built_directly_refuses_what_no_setting_may_be(field: str, value: object) -> None:
+    with pytest.raises(ConfigurationError, match=f"{field}="):
+        PglockConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_a_config_built_directly_keeps_its_values_as_parsed() -> None:
+    """A whole float where libpq wants an int, a number given as text: kept as parsed."""
+    config = PglockConfig(keepalives_idle=1.0, check_interval="2")  # type: ignore[arg-type]
+    assert config.keepalives_idle == 1 and type(config.keepalives_idle) is int
+    assert config.check_interval == 2.0 and type(config.check_interval) is float
