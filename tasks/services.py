@@ -124,10 +124,24 @@ class EmbeddedPostgres:
         """Over the Unix socket, always trusted: for readiness and administration."""
         return f"host={self.sockets} port={self.port} user=postgres dbname=postgres"
 
+    def _reach(self) -> None:
+        """Let the server account reach a base under a root-only tmp dir.
+
+        Done again before every command: a pytest process that starts meanwhile
+        takes the group and other bits off its own tmp root (pytest-of-<user>).
+        """
+        for parent in self.base.parents:
+            if parent == Path("/"):
+                break
+            mode = parent.stat().st_mode
+            if mode & 0o011 != 0o011:
+                parent.chmod(mode | 0o011)
+
     def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         kwargs: dict[str, object] = {}
         if self.user is not None:
             kwargs = {"user": self.user.pw_uid, "group": self.user.pw_gid}
+            self._reach()
         done = subprocess.run(args, capture_output=True, text=True, cwd=self.base, **kwargs)
         if check and done.returncode:
             log = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
@@ -144,11 +158,6 @@ class EmbeddedPostgres:
         if self.user is not None:
             for path in (self.base, self.sockets):
                 os.chown(path, self.user.pw_uid, self.user.pw_gid)
-            # Let the server account reach a base under a root-only tmp dir.
-            for parent in self.base.parents:
-                if parent == Path("/"):
-                    break
-                parent.chmod(parent.stat().st_mode | 0o011)
         auth = ["--auth=trust"]
         if password is not None:
             pwfile = self.base / "pwfile"

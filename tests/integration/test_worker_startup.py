@@ -123,6 +123,7 @@ def test_a_worker_refuses_to_start_with_a_bad_task_option_naming_task_and_option
         ("", "no lock database configured: set the Celery setting pglock_dsn"),
         ("host=db port=x5432", "not a valid connection string"),
         ("postgresql://app:s3cret@db:5432/app?bogus_option=1", "not a valid connection string"),
+        ("postgresql://app:s3cret/7Zq@127.0.0.1:1/app", "an '@' after the host part of a URI"),
     ],
 )
 def test_a_worker_without_a_usable_lock_dsn_refuses_to_start_naming_the_setting(
