@@ -47,34 +47,40 @@ def fenced_transaction(
     that no longer holds it raises LockLost at once (the loss is handled whole
     first), and never takes it back. The key stays pinned for the transaction's
     length and is held again before it ends; ``before_commit`` may still refuse
-    the commit (LockLost); nested, it is a savepoint. A failure of the session
-    itself is a lost lock (LockLost, its cause chained).
+    the commit (LockLost). Nested (in another lock.transaction(), or in a
+    transaction the body began itself) it is a savepoint, proven all the same.
+    The transaction's own statements are bounded by the statement deadline, the
+    body's are not. A failure of the session itself is a lost lock (LockLost,
+    its cause chained).
     """
     session = hold.session
     assert session is not None
-    if handle.pgconn.transaction_status != pq.TransactionStatus.IDLE:
-        with handle.transaction():
-            yield handle
-        return
-    key = hold.key
-    proven = False
     deadline = session.statement_deadline
+    proven = False
     try:
-        with _bounded(handle, deadline), handle.transaction() as outer:
-            with library_code(), _bounded(handle, deadline):
-                row = handle.execute(sql.PROVE_AND_PIN, (key, key, key)).fetchone()
-                proven = row is not None and row[0] is True
-            if not proven:
-                raise psycopg.Rollback(outer)
-            try:
-                with _bounded(handle, None), handle.transaction():  # the body's savepoint
+        if handle.pgconn.transaction_status != pq.TransactionStatus.IDLE:
+            # Nested (in an outer lock.transaction() or the body's own): a savepoint, the
+            # lock proven there too (a transaction the body began itself pins nothing).
+            with _bounded(handle, deadline), handle.transaction() as savepoint:
+                proven = _prove(handle, hold.key, deadline)
+                if not proven:
+                    raise psycopg.Rollback(savepoint)
+                with _bounded(handle, None):
                     yield handle
-            finally:
-                if handle.pgconn.transaction_status == pq.TransactionStatus.INTRANS:
-                    with library_code():
-                        handle.execute(sql.RESTORE_AFTER_TRANSACTION, (key,))
-            with library_code():
-                before_commit()
+        else:
+            with _bounded(handle, deadline), handle.transaction() as outer:
+                proven = _prove(handle, hold.key, deadline)
+                if not proven:
+                    raise psycopg.Rollback(outer)
+                try:
+                    with _bounded(handle, None), handle.transaction():  # the body's savepoint
+                        yield handle
+                finally:
+                    if handle.pgconn.transaction_status == pq.TransactionStatus.INTRANS:
+                        with library_code():
+                            handle.execute(sql.RESTORE_AFTER_TRANSACTION, (hold.key,))
+                with library_code():
+                    before_commit()
     except StatementDeadline as exc:
         loss = hold.lost or Loss(
             LossKind.CANNOT_TELL,
@@ -94,6 +100,13 @@ def fenced_transaction(
         loss = lock_gone("the session no longer holds the lock (found as the transaction began)")
         hold.mark_lost(loss)
         raise LockLost(f"lock {hold.label} was lost: {hold.lost or loss}")
+
+
+def _prove(handle: psycopg.Connection[Any], key: int, deadline: float | None) -> bool:
+    """Whether the session holds ``key``, proven without waiting and pinned (sql.PROVE_AND_PIN)."""
+    with library_code(), _bounded(handle, deadline):
+        row = handle.execute(sql.PROVE_AND_PIN, (key, key, key)).fetchone()
+    return row is not None and row[0] is True
 
 
 @contextlib.contextmanager

@@ -210,3 +210,24 @@ def test_a_transaction_on_a_frozen_backend_ends_with_lock_lost_within_the_deadli
         assert check.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,)
     with pytest.raises(LockLost):
         held.release()
+
+
+@pytest.mark.parametrize("strategy", DEDICATED)
+def test_a_transaction_nested_in_the_bodys_own_proves_the_lock_too(
+    pg_dsn: str, run_id: str, table: str, strategy: str
+) -> None:
+    """Inside a transaction the body began itself (no pin), after its own unlock:
+    lock.transaction() is a savepoint that proves the lock all the same, and refuses."""
+    held = lock(pg_dsn, f"nest:{run_id}", strategy=strategy, check_interval=60)
+    assert held.acquire()
+    conn = held.connection
+    conn.execute("BEGIN")
+    conn.execute("SELECT pg_advisory_unlock_all()")
+    with pytest.raises(LockLost), held.transaction() as inner:
+        inner.execute(f"INSERT INTO {table} VALUES (1)")
+    with contextlib.suppress(psycopg.Error):
+        conn.execute("COMMIT")
+    with psycopg.connect(pg_dsn) as check:
+        assert check.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,)
+    with pytest.raises(LockLost):
+        held.release()
