@@ -424,7 +424,7 @@ class LockSession:
     def handle(self) -> psycopg.Connection[Any]:
         """Return a connection for the holder: pristine client state, dies at revoke."""
         handle = HandleConnection(self.pgconn)
-        handle.on_close = self.revoke_one
+        handle.on_close = self._closed_by_holder
         handle.lock = self.guard  # type: ignore[assignment]
         handle.autocommit = True
         self._handles.append(handle)
@@ -454,6 +454,21 @@ class LockSession:
         # Notices of later holders must not reach a revoked handle's handlers.
         self.pgconn.notice_handler = None
         self.pgconn.notify_handler = None
+
+    def _closed_by_holder(self, handle: psycopg.Connection[Any], message: str) -> None:
+        """The holder closed its handle: revoke it, and end its transaction as a close does.
+
+        Closing a psycopg connection rolls back what it had begun; the session
+        stays, so the library rolls that transaction back on it (the next handle
+        then starts outside any transaction, as a new connection would).
+        """
+        self.revoke_one(handle, message)
+        if self.pgconn.transaction_status in (
+            pq.TransactionStatus.INTRANS,
+            pq.TransactionStatus.INERROR,
+        ):
+            with contextlib.suppress(psycopg.Error):
+                self.conn.rollback()
 
     def revoke_one(self, handle: psycopg.Connection[Any], message: str) -> None:
         handle.lock = Revoked(message)  # type: ignore[assignment]

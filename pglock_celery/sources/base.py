@@ -65,8 +65,13 @@ def fenced_transaction(
                 proven = _prove(handle, hold.key, deadline)
                 if not proven:
                     raise psycopg.Rollback(savepoint)
-                with _bounded(handle, None):
-                    yield handle
+                try:
+                    with _bounded(handle, None):
+                        yield handle
+                finally:
+                    if handle.pgconn.transaction_status == pq.TransactionStatus.INTRANS:
+                        with library_code():
+                            handle.execute(sql.RESTORE_AFTER_TRANSACTION, (hold.key,))
         else:
             with _bounded(handle, deadline), handle.transaction() as outer:
                 proven = _prove(handle, hold.key, deadline)

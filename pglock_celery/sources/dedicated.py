@@ -26,7 +26,7 @@ from psycopg.pq import TransactionStatus
 from .. import sql
 from ..config import PglockConfig
 from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
-from ..loss import Loss, LossKind
+from ..loss import Loss, LossKind, session_ended
 from ..monitor import Hold, one_line
 from ..session import STATEMENT_DEADLINE, LockSession, idle_name, open_session, stamped
 from .base import REUSE, Registry, Source, fenced_transaction
@@ -258,6 +258,10 @@ class DedicatedSource(Source):
             if hold.lost is not None:
                 raise LockLost(f"lock {hold.label} was lost: {hold.lost}")
             if hold.handle is None or hold.handle.closed:
+                if session.closed or not session.alive():
+                    loss = session_ended("the lock session failed: the server closed it")
+                    hold.mark_lost(loss)
+                    raise LockLost(f"lock {hold.label} was lost: {hold.lost or loss}")
                 hold.handle = session.handle()
             return hold.handle
 
