@@ -265,6 +265,7 @@ def open_session(config: PglockConfig, app_name: str) -> LockSession:
     kwargs = connect_kwargs(config, app_name, token)
     dsn = config.require_dsn()
     where = describe_target(dsn)
+    opened_at = time.time()  # before the backend starts: a grant is never shown later
     try:
         conn = SessionConnection.connect(dsn, **kwargs)  # type: ignore[arg-type]
     except psycopg.Error as exc:
@@ -288,6 +289,7 @@ def open_session(config: PglockConfig, app_name: str) -> LockSession:
         raise
     session = LockSession(conn, dsn, backend_pid=backend_pid, token=token, pooled=pooled)
     session.backend_started, session.server_started = started
+    session.opened_at = opened_at
     session.identity = identity
     session.statement_deadline = max(STATEMENT_DEADLINE, config.tcp_user_timeout)
     return session
