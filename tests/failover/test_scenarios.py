@@ -289,7 +289,8 @@ def test_failover(
     assert report["acked_writes_missing"] == 0, report
     assert report["holders_told_before_regrant"] == report["holders_on_old_primary"], report
     assert report["regranted_after_s"] is not None, report
-    assert report["regranted_after_s"] <= TTL + 5, report
+    # Back within ttl + 10 s (issue 25's bound; a killed Patroni measured 25.4 s at ttl 20).
+    assert report["regranted_after_s"] <= TTL + 10, report
 
 
 def verdict(
