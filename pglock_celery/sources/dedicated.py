@@ -288,7 +288,8 @@ class DedicatedSource(Source):
         )
         session.cut()
         if busy and loss.kind is LossKind.LOCK_GONE and session.backend_started is not None:
-            self._probe(session).end_backend(session, session.statement_deadline or 5.0)
+            deadline = session.statement_deadline or STATEMENT_DEADLINE
+            self._probe(session).end_backend(session, deadline)
 
     def close(self) -> None:
         with self._mutex:
