@@ -231,3 +231,30 @@ def test_a_transaction_nested_in_the_bodys_own_proves_the_lock_too(
         assert check.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,)
     with pytest.raises(LockLost):
         held.release()
+
+
+@pytest.mark.parametrize("strategy", DEDICATED)
+def test_checking_a_lock_its_holder_freed_refuses_others_only_until_the_loss_is_found(
+    pg_dsn: str, run_id: str, strategy: str
+) -> None:
+    """A holder frees its own lock by SQL; its checks (every 10 ms) pin the key for one
+    statement each, so another session's try may be refused meanwhile (known limit 4):
+    never once the loss is found, and then the name is free at once."""
+    held = lock(pg_dsn, f"pinned:{run_id}", strategy=strategy, check_interval=0.01)
+    assert held.acquire()
+    held.connection.execute("SELECT pg_advisory_unlock_all()")
+    refused_after_found = 0
+    with psycopg.connect(pg_dsn, autocommit=True) as other:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            found = held.loss is not None
+            if free_elsewhere(other, held.key):
+                if found:
+                    break
+            elif found:
+                refused_after_found += 1
+        assert held.loss is not None and held.loss.kind is LossKind.LOCK_GONE
+        assert free_elsewhere(other, held.key), "the name stayed taken after the loss was found"
+    assert refused_after_found == 0, f"{refused_after_found} tries refused after the loss was found"
+    with pytest.raises(LockLost):
+        held.release()
