@@ -39,6 +39,7 @@ from .keys import check_lock_name, check_timeout
 from .lock import AdvisoryLock, _current, current_lock
 from .loss import Loss
 from .monitor import Body, Hold
+from .orm import fence_orm
 from .sources import registry
 
 logger = logging.getLogger("pglock_celery.task")
@@ -271,7 +272,8 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             if body is not None:
                 body.start()
             try:
-                return super().__call__(*args, **kwargs)
+                with fence_orm(lock, config):
+                    return super().__call__(*args, **kwargs)
             except LockLost as exc:
                 if body is not None and body.reason is not None and not exc.args:
                     # Raised in a pool thread as a bare class (an asynchronous exception
