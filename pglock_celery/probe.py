@@ -30,8 +30,10 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import Literal
 
 import psycopg
+from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from . import sql
@@ -39,7 +41,7 @@ from .config import PglockConfig
 from .exceptions import LockUnavailable
 from .loss import Loss, LossKind, lock_gone, session_ended
 from .monitor import one_line
-from .session import FIELD_SEPARATOR, LockSession, open_session
+from .session import FIELD_SEPARATOR, STATEMENT_DEADLINE, LockSession, open_session
 
 logger = logging.getLogger("pglock_celery.lock")
 
@@ -85,13 +87,10 @@ class Probe:
             str(session.backend_started).encode(),
             None if key is None else str(key).encode(),
         )
-        with self._mutex:
-            try:
-                probe = self._open()
-                result = probe.query(*sql.PROBE, params)
-            except (psycopg.Error, LockUnavailable) as exc:
-                self._drop()
-                return self._unanswered(exc)
+        try:
+            result = self._ask(sql.PROBE, params)
+        except (psycopg.Error, LockUnavailable) as exc:
+            return self._unanswered(exc)
         same_server, backend_there, key_free = (result.get_value(0, n) for n in range(3))
         if same_server != b"t":
             return session_ended(
@@ -117,14 +116,27 @@ class Probe:
             str(session.backend_started).encode(),
             str(max(1, round(timeout * 1000))).encode(),
         )
+        try:
+            result = self._ask(sql.END_BACKEND, params, deadline=timeout + STATEMENT_DEADLINE)
+        except (psycopg.Error, LockUnavailable) as exc:
+            logger.warning("the lock probe could not end a busy session: %s", one_line(exc))
+            return False
+        return result.get_value(0, 0) == b"t"
+
+    def _ask(
+        self,
+        statement: sql.Statement,
+        params: tuple[bytes | None, ...],
+        deadline: float | Literal["default"] = "default",
+    ) -> pq.abc.PGresult:
+        """Run ``statement`` on the probe's session, opened on first need (and closed
+        when the statement fails, to be opened afresh next time)."""
         with self._mutex:
             try:
-                result = self._open().query(*sql.END_BACKEND, params, deadline=timeout + 5.0)
-            except (psycopg.Error, LockUnavailable) as exc:
+                return self._open().query(*statement, params, deadline=deadline)
+            except (psycopg.Error, LockUnavailable):
                 self._drop()
-                logger.warning("the lock probe could not end a busy session: %s", one_line(exc))
-                return False
-        return result.get_value(0, 0) == b"t"
+                raise
 
     def _unanswered(self, exc: BaseException) -> Loss | None:
         cause = exc.__cause__ if isinstance(exc, LockUnavailable) else exc

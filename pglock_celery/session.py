@@ -399,8 +399,9 @@ class LockSession:
         #: 1970, as the server reports them): how probe.py knows them again.
         self.backend_started: int | None = None
         self.server_started: int | None = None
-        #: Seconds the library waits for the answer to one of its statements.
-        self.statement_deadline: float | None = None
+        #: Seconds the library waits for the answer to one of its statements
+        #: (open_session makes it the config's: tcp_user_timeout when longer).
+        self.statement_deadline = STATEMENT_DEADLINE
         #: The server the session is on, for the Patroni fence (when configured).
         self.identity: ServerIdentity | None = None
         #: When the session was opened (time.time(), just before its backend started).

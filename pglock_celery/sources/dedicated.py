@@ -28,7 +28,7 @@ from ..config import PglockConfig
 from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
 from ..loss import Loss, LossKind, session_ended
 from ..monitor import Hold, one_line
-from ..session import STATEMENT_DEADLINE, LockSession, idle_name, open_session, stamped
+from ..session import LockSession, idle_name, open_session, stamped
 from .base import REUSE, Registry, Source, fenced_transaction
 
 
@@ -133,7 +133,7 @@ class DedicatedSource(Source):
                 restore = session.query(*sql.SET_WAIT_BOUND, (bound,)).get_value(0, 0)
             try:
                 # A wait has no deadline of the library's beyond the caller's timeout.
-                within = None if timeout is None else timeout + (session.statement_deadline or 0)
+                within = None if timeout is None else timeout + session.statement_deadline
                 waited = session.query(*sql.WAIT, (session.token.encode(), key), deadline=within)
             except pg_errors.LockNotAvailable:
                 spent = f"within {timeout:g} s" if timeout is not None else "(lock_timeout)"
@@ -201,7 +201,7 @@ class DedicatedSource(Source):
             session.revoke(f"lock {label} was released: this connection is closed")
         clean = True
         key = str(hold.key).encode()
-        deadline = session.statement_deadline or STATEMENT_DEADLINE
+        deadline = session.statement_deadline
         if not session.guard.acquire(timeout=deadline):
             return self._end_busy(session, hold)
         try:
@@ -237,7 +237,7 @@ class DedicatedSource(Source):
         the lock may then stay held until the server notices the cut connection.
         """
         session.cut()
-        deadline = session.statement_deadline or STATEMENT_DEADLINE
+        deadline = session.statement_deadline
         if session.backend_started is not None and self._probe(session).end_backend(
             session, deadline
         ):
@@ -288,7 +288,7 @@ class DedicatedSource(Source):
         )
         session.cut()
         if busy and loss.kind is LossKind.LOCK_GONE and session.backend_started is not None:
-            deadline = session.statement_deadline or STATEMENT_DEADLINE
+            deadline = session.statement_deadline
             self._probe(session).end_backend(session, deadline)
 
     def close(self) -> None:
