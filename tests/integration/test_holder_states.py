@@ -99,6 +99,9 @@ class Entry:
         self.kept: list[tuple[str, Any]] = []
         #: Rows written in the holder's own transaction, still open: never committed.
         self.open_marks: list[str] = []
+        #: A lock.transaction() nested in the holder's own transaction pinned the key:
+        #: held until that transaction ends, whatever the holder unlocks.
+        self.pinned = False
         self.loss_checked = False
 
     def __repr__(self) -> str:
@@ -420,8 +423,8 @@ class HolderLives(RuleBasedStateMachine):
         if conn is None:
             return
         lost_before = entry.fate is not None
-        if lost_before:
-            meanwhile = None  # nothing more to lose
+        if lost_before or (meanwhile == "unlock_all" and entry.pinned):
+            meanwhile = None  # nothing more to lose, or nothing an unlock can free
         mark = self._mark()
         in_txn = self._in_transaction(conn)
         unlock = "pg_advisory_unlock_all() AS unlocked, " if meanwhile == "unlock_all" else ""
@@ -473,7 +476,7 @@ class HolderLives(RuleBasedStateMachine):
         if conn is None:
             return
         lost_before = entry.fate is not None
-        if lost_before:
+        if lost_before or (meanwhile == "unlock_all" and entry.pinned):
             meanwhile = None
         mark = self._mark()
         in_txn = self._in_transaction(conn)
@@ -600,6 +603,7 @@ class HolderLives(RuleBasedStateMachine):
             assert isinstance(outcome, expected), f"{entry}: {body} gave {outcome!r}"
         if body in ("write", "caught_error", "unlock_all"):
             self._written(entry, mark, in_txn)
+            entry.pinned = entry.pinned or in_txn
         else:
             assert self._count(mark) == 0, f"{entry}: a transaction with {body} was committed"
 
@@ -628,6 +632,7 @@ class HolderLives(RuleBasedStateMachine):
             except ValueError:
                 pass
         self._written(entry, outer_mark, in_txn)
+        entry.pinned = entry.pinned or in_txn
         if inner == "ok":
             self._written(entry, inner_mark, in_txn)
         else:
@@ -659,6 +664,7 @@ class HolderLives(RuleBasedStateMachine):
             entry.open_marks.append(mark)
         else:
             entry.open_marks.clear()  # rolled back with it
+            entry.pinned = False
             if entry.masked:  # between statements again: now it is found
                 entry.masked, entry.fate_at = False, time.monotonic()
         assert self._count(mark) == 0
@@ -692,7 +698,17 @@ class HolderLives(RuleBasedStateMachine):
             self._expect_lost(entry, exc, "pg_advisory_unlock_all()")
             return
         assert not entry.dead
-        assert not self._server_holds(entry)
+        if entry.pinned:
+            # The pin lasts as long as the transaction: the lock is held until it ends.
+            assert self._server_holds(entry), f"{entry}: unlocked through its transaction's pin"
+            try:
+                conn.execute("ROLLBACK")
+            except (psycopg.Error, LockLost) as exc:
+                self._expect_lost(entry, exc, "the rollback after pg_advisory_unlock_all()")
+                return
+            entry.open_marks.clear()
+            entry.pinned = False
+        assert not self._server_holds(entry), f"{entry}: held after pg_advisory_unlock_all()"
         entry.gone("unlocked")
         if rival:
             for other in self._rivals(entry):
@@ -720,6 +736,8 @@ class HolderLives(RuleBasedStateMachine):
             entry.kept.append((kind, conn.info.pgconn))
         else:
             conn.close()  # revokes this handle only: the lock stays (invariants)
+            entry.open_marks.clear()  # its transaction ended with it
+            entry.pinned = False
             with pytest.raises(psycopg.Error):
                 conn.execute("SELECT 1")
             entry.handle = None
