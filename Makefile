@@ -118,9 +118,16 @@ mutate: $(STAMP)
 	$(PY) -m tests.mutation.score $(ARGS)
 
 # The documentation site (MkDocs, strict: a broken link or reference fails the build),
-# into SITE_DIR (site/ by default).
+# into SITE_DIR (site/ by default). It installs the docs extra alone (DOCS_STAMP): no
+# test tools, no apt packages. The browser check of the built site is a test
+# (tests/integration/test_docs_site.py), which `make test` sets up for.
 SITE_DIR ?= site
-docs: $(STAMP)
+DOCS_STAMP := $(VENV)/.docs-stamp
+$(DOCS_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir '$(SITE_DIR)'
 
 clean:

@@ -21,8 +21,7 @@ from typing import Any
 import psycopg
 
 from . import __version__, sql
-from .config import PglockConfig
-from .doctor import run_checks
+from .doctor import read_settings, run_checks
 from .dsn import describe_target, dsn_problem, redact
 from .exceptions import PglockError
 from .guard import (
@@ -43,7 +42,10 @@ class UsageError(Exception):
 
 
 def _dsn(args: argparse.Namespace) -> str:
-    dsn = args.dsn or _app_dsn(args) or os.environ.get("PGLOCK_DSN")
+    return _usable_dsn(args.dsn or _app_dsn(args) or os.environ.get("PGLOCK_DSN"))
+
+
+def _usable_dsn(dsn: str | None) -> str:
     if not dsn:
         raise UsageError(
             "no database: pass --dsn, set pglock_dsn on the app given with -A, or set PGLOCK_DSN"
@@ -138,11 +140,17 @@ def cmd_key(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    dsn = _dsn(args)
+    # An invalid setting is a finding like any other (exit 1), not bad input: the
+    # valid settings still count, and the checks run all the same.
+    app = _app(args)
+    config, invalid = read_settings(app)
+    if invalid is not None and not (args.dsn or config.dsn):
+        raise UsageError(f"no database to check, and {invalid}")
+    dsn = _usable_dsn(args.dsn or config.dsn)
     with connect(dsn):
         pass  # unreachable, refused, bad password: one line and exit 2
     findings = run_checks(
-        dsn, lock_sessions=args.lock_sessions, locks=args.locks, pooler=_app_config(args).pooler
+        dsn, lock_sessions=args.lock_sessions, locks=args.locks, pooler=config.pooler, app=app
     )
     if args.json:
         print(json.dumps([f.as_dict() for f in findings], indent=2))
@@ -303,14 +311,11 @@ def _load_app(name: str) -> Any:
         raise UsageError(f"cannot load the Celery app {name!r}: {reason}") from None
 
 
-def _app_config(args: argparse.Namespace) -> PglockConfig:
-    """The app's pglock settings, or without an app those of the environment (PGLOCK_*)."""
-    from .config import get_config, load_config
-
+def _app(args: argparse.Namespace) -> Any:
+    """The Celery app given (-A, or loaded by ``celery -A``), or None."""
     if getattr(args, "loaded_app", None) is None and getattr(args, "app", None):
         args.loaded_app = _load_app(args.app)
-    app = getattr(args, "loaded_app", None)
-    return load_config(None) if app is None else get_config(app)
+    return getattr(args, "loaded_app", None)
 
 
 def _app_dsn(args: argparse.Namespace) -> str | None:

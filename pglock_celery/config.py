@@ -32,8 +32,10 @@ from types import MappingProxyType
 from typing import Any
 
 import celery.app.utils
+import psycopg
 from celery import Celery
 from celery.utils.collections import DictAttribute
+from psycopg.conninfo import conninfo_to_dict
 
 from .dsn import dsn_problem
 from .exceptions import ConfigurationError
@@ -214,6 +216,15 @@ def _dsn(raw: Any) -> str | None:
     return raw
 
 
+def _database(raw: Any) -> str | None:
+    """A Django database alias (None: no pglock_database)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not raw.strip():
+        raise ValueError("must be the alias of a Django database (a non-empty str)")
+    return raw
+
+
 @dataclass(frozen=True)
 class PglockConfig:
     """The pglock settings of one Celery app (see the README for each)."""
@@ -268,6 +279,9 @@ class PglockConfig:
     #: The REST API URLs of the Patroni cluster's members (comma-separated): a
     #: lock is valid only while its server is confirmed as the leader (patroni.py).
     patroni_url: tuple[str, ...] | None = None
+    #: A Django database alias: without pglock_dsn, the lock's DSN comes from its
+    #: DATABASES entry; a task body's ORM writes to it are fenced by its lock.
+    database: str | None = None
 
     def __post_init__(self) -> None:
         """Refuse a value that no lock session could use, as load_config does.
@@ -291,6 +305,8 @@ class PglockConfig:
                 object.__setattr__(self, name, parsed)
         if problems:
             raise ConfigurationError(f"invalid PglockConfig: {'; '.join(problems)}")
+        if self.database is not None:
+            object.__setattr__(self, "dsn", _database_dsn(self.database, self.strategy, self.dsn))
 
     @property
     def server_bound(self) -> float:
@@ -326,7 +342,8 @@ class PglockConfig:
         if not self.dsn:
             raise ConfigurationError(
                 "no lock database configured: set the Celery setting pglock_dsn "
-                "or the environment variable PGLOCK_DSN"
+                "or the environment variable PGLOCK_DSN (under Django, pglock_database "
+                "may name a DATABASES alias instead)"
             )
         problem = dsn_problem(self.dsn)
         if problem is not None:
@@ -349,6 +366,46 @@ class PglockConfig:
         config = copy.copy(self)
         object.__setattr__(config, "dsn", dsn)  # frozen: as dataclasses' own __init__ does
         return config
+
+
+def _database_dsn(alias: str, strategy: str, dsn: str | None) -> str:
+    """The lock DSN with ``pglock_database = alias``: pglock_dsn when given, else the alias's.
+
+    Read from Django's settings when the config is built (the first lock, a worker's
+    start, ``manage.py check``), never at import. A pglock_dsn given too says how the
+    locks reach the database (past a pooler the ORM uses, say): it must name the
+    alias's database, since the body's ORM writes go through the lock's session.
+    """
+    if strategy == "shared":
+        raise ConfigurationError(
+            "pglock_database needs a lock session of the holder's own: a shared session "
+            "gives no fenced writes; set pglock_strategy to 'reuse' or 'connect'"
+        )
+    from .django import dsn as django_dsn
+
+    try:
+        own = django_dsn(alias)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"invalid setting pglock_database={alias!r}: {exc}") from None
+    if dsn is None:
+        return own
+    ours, theirs = _dbname(dsn), _dbname(own)
+    if ours is not None and theirs is not None and ours != theirs:
+        raise ConfigurationError(
+            f"pglock_dsn names the database {ours!r}, pglock_database={alias!r} the database "
+            f"{theirs!r}: the body's ORM writes go through the lock's session, so both must "
+            "name one database"
+        )
+    return dsn
+
+
+def _dbname(dsn: str) -> str | None:
+    """The database a DSN names, None when it names none or does not parse."""
+    try:
+        name = conninfo_to_dict(dsn).get("dbname")
+    except psycopg.Error:
+        return None
+    return None if name is None else str(name)
 
 
 _KEEPIDLE = _keepalive("TCP_KEEPIDLE", 32767)
@@ -378,6 +435,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "report_holder": _boolean,
     "pooler": _pooler,
     "patroni_url": _patroni_url,
+    "database": _database,
 }
 
 #: Every setting: (app.conf key, environment variable, default).

@@ -9,17 +9,20 @@ per-lock path does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import os
 import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import psycopg
-from celery import current_app
+from celery import Celery, current_app
 
-from .config import PglockConfig, get_config
+from .config import PglockConfig, get_config, load_config
 from .exceptions import ConfigurationError, LockUnavailable
 from .guard import ROW_TRIGGER, guarded_tables, unguarded_children
 from .keys import key_to_lock_fields, lock_key
@@ -59,8 +62,32 @@ def _one(conn: psycopg.Connection, query: str) -> object:
     return row[0] if row else None
 
 
-def _over_tcp(conn: psycopg.Connection) -> bool:
-    return not conn.info.host.startswith("/")
+def _doctor_connect(dsn: str, application_name: str = "pglock-doctor") -> psycopg.Connection:
+    """A short session of the doctor's own; it never prepares a statement.
+
+    A transaction pooler hands the next transaction to another backend, where a prepared
+    statement of this session is missing, or one of another client's goes by its name.
+    """
+    return psycopg.connect(
+        dsn,
+        autocommit=True,
+        connect_timeout=5,
+        prepare_threshold=None,
+        application_name=application_name,
+    )
+
+
+def _server_sees_unix_socket(conn: psycopg.Connection) -> bool:
+    """Whether the server's end of this session is a Unix socket (TCP settings do not apply).
+
+    Asked of the server: a pooler or proxy in between may reach it over a socket of
+    another kind than this client reached the pooler.
+    """
+    return _one(conn, "SELECT pg_catalog.inet_client_addr() IS NULL") is True
+
+
+def _client_on_unix_socket(conn: psycopg.Connection) -> bool:
+    return conn.info.host.startswith(("/", "@"))  # a socket directory, or Linux's abstract one
 
 
 def check_lock_session(dsn: str, pooler: str = "none") -> Iterator[Finding]:
@@ -81,7 +108,7 @@ def check_lock_session(dsn: str, pooler: str = "none") -> Iterator[Finding]:
         wrong = []
         if _show(conn, "idle_session_timeout") != "0":
             wrong.append("idle_session_timeout")
-        if _over_tcp(conn) and _show(conn, "tcp_keepalives_idle") != str(
+        if not _server_sees_unix_socket(conn) and _show(conn, "tcp_keepalives_idle") != str(
             config.server_keepalives_idle
         ):
             wrong.append("tcp_keepalives_idle")
@@ -122,17 +149,33 @@ def check_standby(conn: psycopg.Connection) -> Iterator[Finding]:
         yield Finding("standby", "ok", "the server is a primary")
 
 
-def check_pooler(conn: psycopg.Connection, dsn: str) -> Iterator[Finding]:
-    """A session must keep its backend across transactions, even under load."""
+def check_pooler(conn: psycopg.Connection, dsn: str, pooler: str = "none") -> Iterator[Finding]:
+    """A session must keep its backend across transactions, even under load.
+
+    ``pooler``: the ``pglock_pooler`` setting; "session" says that a session-mode
+    pooler is expected, so a transaction-mode one is named as the setting's mismatch.
+    """
     first = _one(conn, "SELECT pg_backend_pid()")
     conn.execute("SELECT set_config('application_name', 'pglock-doctor-probe', false)")
-    with psycopg.connect(dsn, connect_timeout=5) as busy:
+    with psycopg.connect(dsn, connect_timeout=5, prepare_threshold=None) as busy:
         # Hold a server connection in a transaction, so that a transaction
         # pooler would have to hand our next transaction another backend.
         busy.execute("SELECT pg_backend_pid()")
         second = _one(conn, "SELECT pg_backend_pid()")
         name = _show(conn, "application_name")
-    if first != second or name != "pglock-doctor-probe":
+    if (first != second or name != "pglock-doctor-probe") and pooler == "session":
+        yield Finding(
+            "pooler",
+            "fail",
+            "pglock_pooler = 'session', but the pooler between client and server (PgBouncer?)"
+            " is in transaction mode: a session does not keep its backend across"
+            " transactions, so a lock taken through it belongs to whichever client gets that"
+            " backend next (the lock session and the pooler's reset were not tried)",
+            "PgBouncer: pool_mode = session for the lock sessions' database (a [databases]"
+            " entry of their own with pool_mode=session), or give lock sessions a direct"
+            " connection and set pglock_pooler = 'none'",
+        )
+    elif first != second or name != "pglock-doctor-probe":
         yield Finding(
             "pooler",
             "fail",
@@ -159,8 +202,34 @@ def check_idle_timeouts(conn: psycopg.Connection) -> Iterator[Finding]:
 
 
 def check_keepalives(conn: psycopg.Connection) -> Iterator[Finding]:
-    if not _over_tcp(conn):
-        yield Finding("keepalives", "ok", "Unix socket: no network partition to bound")
+    """How long the server takes to notice a client cut off from it.
+
+    Over a Unix socket TCP keepalives do not apply (the server shows them as 0): a peer
+    on the same host that dies closes its socket at once. A client that came over TCP
+    to a relay (a pooler, a proxy) that reaches the server over a Unix socket is bounded
+    by the relay's own keepalives, which the server cannot see.
+    """
+    if _server_sees_unix_socket(conn):
+        if _client_on_unix_socket(conn):
+            yield Finding(
+                "keepalives",
+                "ok",
+                "Unix socket: TCP keepalives do not apply; a client on this host that dies"
+                " closes its socket, and the server frees its locks at once (no network"
+                " between them to partition)",
+            )
+        else:
+            yield Finding(
+                "keepalives",
+                "warn",
+                f"this client reached {conn.info.host} over TCP, but the server sees a Unix"
+                " socket: a pooler or proxy on the server's host relays the session, so the"
+                " server's TCP keepalives (pglock's lock sessions' too) do not apply; the"
+                " relay's own keepalives towards its clients bound a cut-off client",
+                "PgBouncer: tcp_keepalive = 1, tcp_keepidle = 5, tcp_keepintvl = 2,"
+                " tcp_keepcnt = 5, tcp_user_timeout = 15000 in pgbouncer.ini; or connect"
+                " lock sessions straight to the server over TCP",
+            )
         return
     idle, interval, count = (
         int(_show(conn, f"tcp_keepalives_{name}")) for name in ("idle", "interval", "count")
@@ -478,9 +547,7 @@ def check_pooler_reset(dsn: str, pooler: str) -> Iterator[Finding]:
 
 
 def _probe_connect(dsn: str) -> psycopg.Connection:
-    return psycopg.connect(
-        dsn, autocommit=True, connect_timeout=5, application_name="pglock-doctor-probe"
-    )
+    return _doctor_connect(dsn, "pglock-doctor-probe")
 
 
 def _same_backend_again(
@@ -566,15 +633,39 @@ def check_replication(conn: psycopg.Connection) -> Iterator[Finding]:
         )
 
 
-def check_settings() -> Iterator[Finding]:
-    """The pglock settings (the current Celery app's, PGLOCK_* variables) must all be valid."""
+def read_settings(app: Celery | None = None) -> tuple[PglockConfig, ConfigurationError | None]:
+    """The pglock settings of ``app`` (default: the current app), and what is invalid in them.
+
+    With an invalid value the valid ones still count and the invalid one takes its
+    default, so that the doctor runs its checks all the same and reports the error as a
+    finding instead of stopping at it.
+    """
+    app = current_app if app is None else app
     try:
-        get_config(current_app)
+        return get_config(app), None
     except ConfigurationError as exc:
+        error = exc
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(PglockConfig):
+        key, env = f"pglock_{field.name}", f"PGLOCK_{field.name.upper()}"
+        try:
+            alone = load_config({key: app.conf.get(key)}, {env: os.environ.get(env, "")})
+        except ConfigurationError:
+            continue
+        values[field.name] = getattr(alone, field.name)
+    try:
+        return PglockConfig(**values), error
+    except ConfigurationError:  # valid one by one, not together
+        return PglockConfig(), error
+
+
+def check_settings(error: ConfigurationError | None) -> Iterator[Finding]:
+    """The pglock settings (the app's, PGLOCK_* variables) must all be valid: ``error`` if not."""
+    if error is not None:
         yield Finding(
             "settings",
             "fail",
-            str(exc),
+            str(error),
             "set each setting named to one of the values given: a worker refuses to start with it",
         )
     else:
@@ -582,24 +673,36 @@ def check_settings() -> Iterator[Finding]:
 
 
 def run_checks(
-    dsn: str, *, lock_sessions: int = 0, locks: int = 0, pooler: str = "none"
+    dsn: str,
+    *,
+    lock_sessions: int = 0,
+    locks: int = 0,
+    pooler: str = "none",
+    app: Celery | None = None,
 ) -> list[Finding]:
     """Run every check against ``dsn`` and return the findings in order.
 
     ``lock_sessions`` and ``locks``: the most lock sessions and locks the fleet
     holds at once (0: unknown, not checked against the server's limits).
     ``pooler``: the ``pglock_pooler`` setting ("session": ``dsn`` goes through a
-    session-mode pooler, whose reset of server connections is tried out).
+    session-mode pooler, whose reset of server connections is tried out, unless the
+    pooler turns out to be in transaction mode). ``app``: the Celery app whose settings
+    are checked (default: the current app; the PGLOCK_* variables in either case).
     """
     prefix = PglockConfig().application_name
-    findings = list(check_lock_session(dsn, pooler))
-    findings.extend(check_pooler_reset(dsn, pooler))
-    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+    findings: list[Finding] = []
+    with _doctor_connect(dsn) as conn:
+        # First: behind a transaction pooler the session checks would take a lock that
+        # stays on a pooled backend, and judge whichever backend they happen to get.
+        pooling = list(check_pooler(conn, dsn, pooler))
+        if pooler != "session" or all(f.level != "fail" for f in pooling):
+            findings.extend(check_lock_session(dsn, pooler))
+            findings.extend(check_pooler_reset(dsn, pooler))
         checks: list[Callable[[], Iterator[Finding]]] = [
             lambda: check_version(conn),
             lambda: check_standby(conn),
             lambda: check_replication(conn),
-            lambda: check_pooler(conn, dsn),
+            lambda: iter(pooling),
             lambda: check_idle_timeouts(conn),
             lambda: check_keepalives(conn),
             lambda: check_connections(conn, lock_sessions),
@@ -608,7 +711,7 @@ def run_checks(
             lambda: check_search_path(conn),
             lambda: check_guards(conn),
             lambda: check_guarded_children(conn),
-            check_settings,
+            lambda: check_settings(read_settings(app)[1]),
         ]
         for check in checks:
             findings.extend(check())

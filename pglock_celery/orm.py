@@ -14,11 +14,11 @@ if TYPE_CHECKING:
 def fence_orm(lock: AdvisoryLock, config: PglockConfig) -> AbstractContextManager[None]:
     """While the body runs: its ORM writes to ``pglock_database`` fenced by ``lock``.
 
-    Nothing without that setting (Django is imported only with it).
+    Nothing without that setting (Django is imported only with it); see
+    django/fence.py for how.
     """
-    alias = getattr(config, "database", None)
-    if alias is None:
+    if config.database is None:
         return contextlib.nullcontext()
-    from .django import fenced_orm
+    from .django.fence import fenced_orm
 
-    return fenced_orm(lock, alias)
+    return fenced_orm(lock, config.database)

@@ -71,7 +71,10 @@ def pgbouncer(
     if os.geteuid() == 0:
         command[1:1] = ["-u", "postgres" if _has_user("postgres") else "nobody"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    dsn = psycopg.conninfo.make_conninfo(**{**params, "port": str(port)})  # type: ignore[arg-type]
+    # Clients reach PgBouncer where it listens, whichever way it reaches the server (a
+    # ``pg_dsn`` over a Unix socket makes PgBouncer use that socket).
+    client = {k: v for k, v in params.items() if k != "hostaddr"}
+    dsn = psycopg.conninfo.make_conninfo(**{**client, "host": "127.0.0.1", "port": str(port)})  # type: ignore[arg-type]
 
     def answers() -> bool:
         if process.poll() is not None:

@@ -170,7 +170,8 @@ def test_a_missing_dsn_says_where_to_set_it() -> None:
         PglockConfig().require_dsn()
     assert str(raised.value) == (
         "no lock database configured: set the Celery setting pglock_dsn "
-        "or the environment variable PGLOCK_DSN"
+        "or the environment variable PGLOCK_DSN (under Django, pglock_database "
+        "may name a DATABASES alias instead)"
     )
 
 

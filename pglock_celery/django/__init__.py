@@ -1,15 +1,18 @@
-"""The lock DSN of a Django project, from its ``DATABASES`` setting.
+"""Django: the lock database from ``DATABASES``, the ORM's writes fenced, checks, commands.
 
 ::
 
-    # settings.py (after DATABASES)
-    from pglock_celery.django import dsn
+    # settings.py
+    INSTALLED_APPS = [..., "pglock_celery.django"]
+    CELERY_PGLOCK_DATABASE = "default"
 
-    CELERY_PGLOCK_DSN = dsn("default")
+``pglock_database`` names the alias whose settings give the lock's connection,
+read when the settings are first needed (never at import: split settings work);
+a task body's ORM writes to it then commit only while its lock is held
+(fence.py). The app adds system checks (checks.py) and ``manage.py pglock``.
+``dsn(alias)`` gives the DSN as a string for those who want it.
 
-Advisory locks live in one database: point the locks at the database the
-project's pipeline state is in, reached directly (never through a
-transaction-mode pooler that the ORM may use).
+Nothing outside this package imports Django.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from typing import Any
 
 import psycopg
 from django.conf import settings  # type: ignore[import-untyped]
+from django.core.exceptions import ImproperlyConfigured  # type: ignore[import-untyped]
 from psycopg.conninfo import make_conninfo
 
-from .exceptions import ConfigurationError
+from ..exceptions import ConfigurationError
 
 #: Django's PostgreSQL backends end with one of these module names (the built-in
 #: ``django.db.backends.postgresql``, its old ``postgresql_psycopg2`` name, GeoDjango's
@@ -55,7 +59,13 @@ def dsn(alias: str = "default") -> str:
     ``DATABASES``, is not a PostgreSQL database, or cannot make a connection
     string; the message never shows the password.
     """
-    databases: Mapping[str, Any] = settings.DATABASES
+    try:
+        databases: Mapping[str, Any] = settings.DATABASES
+    except ImproperlyConfigured:
+        raise ConfigurationError(
+            "Django's settings are not configured (DJANGO_SETTINGS_MODULE): "
+            f"the lock DSN of DATABASES[{alias!r}] cannot be read"
+        ) from None
     if alias not in databases:
         known = ", ".join(sorted(map(repr, databases))) or "none"
         raise ConfigurationError(

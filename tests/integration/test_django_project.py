@@ -1,0 +1,275 @@
+"""A real Django project (tests/django_project) with pglock_database: the ORM's writes fenced.
+
+Its settings package has a prod module that imports the base one and names the lock
+database by its alias (``CELERY_PGLOCK_DATABASE = "default"``); its app has a model on a
+guarded table. Everything runs as the project would: ``manage.py`` and ``celery worker``
+subprocesses (prefork and threads), the lock DSN read from ``DATABASES`` by each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+
+from tests.support.locks import terminate
+from tests.support.services import wait_until
+from tests.support.workers import ROOT, Worker
+
+PROJECT = ROOT / "tests" / "django_project"
+#: The guarded table and its lock name (shop/tasks.py takes the same lock).
+TABLE, LOCK = "shop_ledger", "shop:{tenant}"
+RESULT_TIMEOUT = 60
+POOLS = [("prefork", 2), ("threads", 4)]
+
+
+@pytest.fixture(scope="module")
+def shop_env(pg_dsn: str, broker_url: str) -> dict[str, str]:
+    """The project's environment: its database from pg_dsn, split into DATABASES' fields."""
+    params = conninfo_to_dict(pg_dsn)
+    env = {
+        "DJANGO_SETTINGS_MODULE": "proj.settings.prod",
+        "PYTHONPATH": os.pathsep.join([str(PROJECT), str(ROOT)]),
+        "SHOP_DB_NAME": str(params["dbname"]),
+        "SHOP_DB_USER": str(params.get("user") or "postgres"),
+        "SHOP_DB_PASSWORD": str(params.get("password") or ""),
+        "SHOP_DB_HOST": str(params.get("host") or ""),
+        "SHOP_DB_PORT": str(params.get("port") or ""),
+        "SHOP_BROKER_URL": broker_url,
+        "SHOP_QUEUE": f"shop-{uuid.uuid4().hex[:8]}",
+        "PGLOCK_DSN": "",  # the lock DSN comes from DATABASES["default"] only
+    }
+    env["PGLOCK_TEST_QUEUE"] = env["SHOP_QUEUE"]
+    return env
+
+
+def manage(env: dict[str, str], *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    """Run the project's manage.py with ``args``; ``extra`` variables on top of ``env``."""
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=PROJECT,
+        env={**os.environ, **env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def ok(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def project(shop_env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """The project migrated and its ledger guarded (through ``manage.py pglock guard``)."""
+    ok(manage(shop_env, "migrate", "--noinput"))
+    ok(manage(shop_env, "pglock", "guard", "install", TABLE, "--lock", LOCK))
+    yield shop_env
+    manage(shop_env, "pglock", "guard", "remove", TABLE)
+    manage(shop_env, "migrate", "shop", "zero", "--noinput")
+
+
+@pytest.fixture(scope="module")
+def shop_app(shop_env: dict[str, str]) -> Iterator[Celery]:
+    """A client of the project's broker and result backend (tasks are sent by name)."""
+    app = Celery(
+        "shop-client",
+        broker=shop_env["SHOP_BROKER_URL"],
+        backend=shop_env["SHOP_BROKER_URL"],
+        set_as_current=False,
+    )
+    yield app
+    app.close()
+
+
+@pytest.fixture(scope="module", params=POOLS, ids=[pool for pool, _ in POOLS])
+def worker(
+    request: pytest.FixtureRequest,
+    project: dict[str, str],
+    shop_app: Celery,
+    log_dir: Path,
+) -> Iterator[Worker]:
+    """A `celery -A proj worker` of the project, on a queue of its pool's own."""
+    pool, concurrency = request.param
+    env = {**project, "PGLOCK_TEST_QUEUE": f"{project['SHOP_QUEUE']}-{pool}"}
+    started = Worker(shop_app, "proj", env, log_dir, pool=pool, concurrency=concurrency)
+    yield started
+    started.stop()
+
+
+def send(app: Celery, worker: Worker, name: str, *args: Any) -> Any:
+    """Send ``shop.tasks.<name>`` to the queue of ``worker`` (its pool's own)."""
+    command = worker.process.args
+    assert isinstance(command, list)
+    return app.send_task(f"shop.tasks.{name}", args=args, queue=command[command.index("-Q") + 1])
+
+
+def ledger(pg_dsn: str, tenant: str) -> list[tuple[str, int]]:
+    """The committed rows of ``tenant``: (entry, backend that wrote it), read from outside."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            sql.SQL("SELECT entry, backend FROM {} WHERE tenant = %s ORDER BY id").format(
+                sql.Identifier(TABLE)
+            ),
+            (tenant,),
+        ).fetchall()
+    return [(str(entry), int(backend)) for entry, backend in rows]
+
+
+@pytest.fixture
+def beacon(pg_dsn: str) -> Iterator[str]:
+    """A table through which a body tells its lock's backend and the test says go."""
+    name = f"beacon_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE {} (tenant text PRIMARY KEY, backend_pid int, go bool DEFAULT false)"
+            ).format(sql.Identifier(name))
+        )
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(name)))
+
+
+def beacon_pid(pg_dsn: str, beacon: str, tenant: str) -> int | None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT backend_pid FROM {} WHERE tenant = %s").format(sql.Identifier(beacon)),
+            (tenant,),
+        ).fetchone()
+    return None if row is None else int(row[0])
+
+
+def say_go(pg_dsn: str, beacon: str, tenant: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("UPDATE {} SET go = true WHERE tenant = %s").format(sql.Identifier(beacon)),
+            (tenant,),
+        )
+
+
+def test_a_locked_tasks_orm_writes_commit_on_the_lock_session(
+    worker: Worker, shop_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    """Autocommit, atomic() and a savepoint: written by the lock's backend, the guard accepts."""
+    tenant = f"{run_id}-{worker.pool}"
+    result = send(shop_app, worker, "record", tenant, "paid").get(timeout=RESULT_TIMEOUT)
+    assert result["data"] == [{"how": "autocommit"}, {"how": "atomic"}]  # JSON read back
+    assert result["aware"]  # Django's time zone loader on the lock's handle
+    assert result["writers"] == [result["backend_pid"]]
+    assert ledger(pg_dsn, tenant) == [("paid", result["backend_pid"])] * 2
+
+
+def test_the_bodys_own_orm_sql_cannot_free_its_lock(
+    worker: Worker, shop_app: Celery, run_id: str
+) -> None:
+    """pg_advisory_unlock_all() through the ORM runs in a fenced transaction: the lock stays."""
+    tenant = f"{run_id}-{worker.pool}"
+    still_held = send(shop_app, worker, "unlock_then_write", tenant).get(timeout=RESULT_TIMEOUT)
+    assert still_held is True
+
+
+@pytest.mark.parametrize("inside_atomic", [False, True], ids=["autocommit", "atomic"])
+def test_nothing_written_after_the_lock_is_lost_commits(
+    worker: Worker,
+    shop_app: Celery,
+    pg_dsn: str,
+    run_id: str,
+    beacon: str,
+    inside_atomic: bool,
+) -> None:
+    """The lock's backend ended mid-body: the task fails with LockLost, its later write is gone.
+
+    In autocommit the write made before the loss was committed under the lock; inside
+    atomic() nothing of the transaction commits.
+    """
+    tenant = f"{run_id}-{worker.pool}"
+    call = send(shop_app, worker, "record_across_a_loss", tenant, beacon, inside_atomic)
+    wait_until(
+        lambda: beacon_pid(pg_dsn, beacon, tenant) is not None, 30, "the body to reach its wait"
+    )
+    backend_pid = beacon_pid(pg_dsn, beacon, tenant)
+    assert backend_pid is not None and terminate(pg_dsn, backend_pid)
+    say_go(pg_dsn, beacon, tenant)
+    call.get(timeout=RESULT_TIMEOUT, propagate=False)
+    assert call.state == "FAILURE"
+    assert type(call.result).__name__ == "LockLost", repr(call.result)
+    committed = [entry for entry, _backend in ledger(pg_dsn, tenant)]
+    assert committed == ([] if inside_atomic else ["before"])
+
+
+def test_the_guarded_table_refuses_the_same_orm_write_outside_a_task(
+    project: dict[str, str], pg_dsn: str, run_id: str
+) -> None:
+    done = manage(
+        project,
+        "shell",
+        "-c",
+        f"from shop.models import Ledger; Ledger.objects.create(tenant={run_id!r}, entry='x')",
+    )
+    assert done.returncode != 0
+    assert TABLE in done.stderr and "shop:" in done.stderr, done.stderr
+    assert ledger(pg_dsn, run_id) == []
+
+
+def test_an_eager_call_inside_atomic_is_refused(project: dict[str, str], pg_dsn: str) -> None:
+    """The body cannot join the caller's transaction under the lock: a PglockError says so."""
+    code = (
+        "from django.db import transaction\n"
+        "from shop.tasks import record\n"
+        "with transaction.atomic():\n"
+        "    result = record.apply(('eager', 'x'))\n"
+        "print(type(result.result).__name__, result.result)\n"
+    )
+    out = ok(manage(project, "shell", "-c", code))
+    assert "PglockError lock shop:eager" in out and "on_commit" in out, out
+    assert ledger(pg_dsn, "eager") == []
+
+
+def test_manage_py_check_passes_with_the_prod_settings(project: dict[str, str]) -> None:
+    out = ok(manage(project, "check"))
+    assert "no issues" in out
+
+
+@pytest.mark.parametrize(
+    ("settings_module", "extra", "check_id"),
+    [
+        ("proj.settings.base", {}, "pglock.E001"),
+        ("proj.settings.base", {"PGLOCK_DSN": "host='unterminated"}, "pglock.E002"),
+        ("proj.settings.prod", {"PGLOCK_CHECK_INTERVAL": "soon"}, "pglock.E003"),
+        ("proj.settings.prod", {"PGLOCK_POOLER": "transaction"}, "pglock.E004"),
+        ("proj.settings.prod", {"PGLOCK_STRATEGY": "shared"}, "pglock.E003"),
+    ],
+    ids=["no-dsn", "malformed-dsn", "invalid-setting", "transaction-pooler", "shared"],
+)
+def test_manage_py_check_reports_each_problem(
+    shop_env: dict[str, str], settings_module: str, extra: dict[str, str], check_id: str
+) -> None:
+    done = manage(shop_env, "check", DJANGO_SETTINGS_MODULE=settings_module, **extra)
+    assert done.returncode != 0
+    assert check_id in done.stderr, done.stderr
+    password = shop_env["SHOP_DB_PASSWORD"]
+    assert not password or password not in done.stdout + done.stderr
+
+
+def test_manage_py_pglock_doctor_and_locks_use_the_alias(project: dict[str, str]) -> None:
+    doctor = manage(project, "pglock", "doctor", "--json")
+    assert doctor.returncode in (0, 1), doctor.stderr  # 1: this server's own findings
+    findings = json.loads(doctor.stdout)
+    assert findings and all({"level", "check"} <= set(finding) for finding in findings)
+    locks = json.loads(ok(manage(project, "pglock", "locks", "--json")))
+    assert isinstance(locks, list)
+    listed = ok(manage(project, "pglock", "guard", "list"))
+    assert TABLE in listed and LOCK in listed
