@@ -14,7 +14,14 @@ from .guard import install_guard, remove_guard
 from .inspect import holder
 from .keys import lock_key
 from .lock import AdvisoryLock, current_lock, try_lock, wait_lock
-from .task import LOCK_LOST_EVENT, LOCK_SKIPPED_EVENT, TenantLockedTask
+from .task import (
+    LOCK_LOST_EVENT,
+    LOCK_SKIPPED_EVENT,
+    SkipHolder,
+    SkipResult,
+    TenantLockedTask,
+    skipped,
+)
 
 __version__ = "0.2.0"
 
@@ -28,12 +35,15 @@ __all__ = [
     "LockTimeout",
     "LockUnavailable",
     "PglockError",
+    "SkipHolder",
+    "SkipResult",
     "TenantLockedTask",
     "current_lock",
     "holder",
     "install_guard",
     "lock_key",
     "remove_guard",
+    "skipped",
     "try_lock",
     "wait_lock",
 ]

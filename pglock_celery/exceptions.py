@@ -60,6 +60,21 @@ class LockLost(PglockError):
     """The lock is no longer held by this session."""
 
 
+def lost_during_step(label: str, reason: str, task: str | None = None) -> str:
+    """Return the one text of a LockLost for a lock lost while a step ran under it.
+
+    The same words whoever found the loss (the monitor, the body, a transaction,
+    the release) and under every pool: the lock, why, and what to do.
+    """
+    who = f"task {task}: " if task else ""
+    return (
+        f"{who}lock {label} was lost during the step: {reason.rstrip('.')}. What to do: "
+        "let the step run again (a later call takes the lock afresh); if losses recur, "
+        "find what ends the lock sessions (restarts, pg_terminate_backend, the network; "
+        "docs: Operations, Loss detection)"
+    )
+
+
 for _cls in (
     PglockError,
     ConfigurationError,

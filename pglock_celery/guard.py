@@ -798,8 +798,8 @@ def remove_guard(conn_or_dsn: psycopg.Connection | str, table: str) -> None:
 
     Removes it from the table's inheritance descendants guarded with the same template
     too. Leaves ``pglock_key()`` and the shared functions, which other tables may use.
-    Raises ConfigurationError for a missing table, and like :func:`install_guard`
-    otherwise. :func:`guarded_tables` before and after tells what was removed.
+    Raises ConfigurationError for a missing table, and like ``install_guard()``
+    otherwise. ``guarded_tables()`` before and after tells what was removed.
     """
     action = f"cannot remove the guard of {table!r}"
     with _errors(action, conn_or_dsn), _connection(conn_or_dsn) as conn, _transaction(conn):

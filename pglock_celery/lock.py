@@ -57,7 +57,7 @@ def current_lock() -> AdvisoryLock | None:
 class AdvisoryLock:
     """A session-level Postgres advisory lock on a lock session of its own.
 
-    Use it through :func:`try_lock` or :func:`wait_lock`. One object belongs to
+    Use it through ``try_lock()`` or ``wait_lock()``. One object belongs to
     one caller; it may be acquired again after a failed try or a release.
     """
 
@@ -73,21 +73,26 @@ class AdvisoryLock:
     ) -> None:
         if isinstance(name_or_key, str):
             self.name: str | None = check_lock_name(name_or_key)
+            """The lock's name; None when it was given a bare int key."""
             # What a process keeps after release is bounded in bytes: long names
             # are not cached.
             cached = len(name_or_key) <= MAX_CACHED_NAME
             self.key: int = (cached_lock_key if cached else lock_key)(name_or_key)
+            """The advisory lock key, signed 64-bit (``lock_key(name)`` for a name)."""
         else:
             self.name = None
             self.key = check_key(name_or_key)
             cached = True
         self.config = config
+        """The pglock settings the lock was made with (its DSN among them)."""
         self.task_id = task_id
-        #: The lock's name, or its key when it has none (for messages).
+        """The task id the lock's session is named after, if any."""
         self.label = self.name if self.name is not None else f"#{self.key}"
+        """The lock's name, or ``#<key>`` when it has none (for messages)."""
         self.application_name = (holder_name if cached else compose_holder_name)(
             config.application_name, self.label, task_id, os.getpid()
         )
+        """The application_name its session shows in ``pg_stat_activity`` while held."""
         self._wait = wait
         self._timeout = check_timeout(timeout)
         self._on_lost = on_lost
@@ -307,7 +312,14 @@ class AdvisoryLock:
             if taken:
                 session.guard.release()
         self._source.monitor.unwatch(hold)
-        self._source.release(hold, clean=reusable)
+        try:
+            self._source.release(hold, clean=reusable)
+        except LockLost:
+            if hold.lost is None and hold.found_at_release is not None:
+                # Found by the release itself: reported like any other loss (once).
+                hold.lost_at_release(hold.found_at_release)
+                self._released_loss = hold.lost
+            raise
 
     def transaction(self) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
         """Yield the lock's connection inside a transaction that commits only while held.
@@ -337,8 +349,9 @@ class AdvisoryLock:
     def finish(self, error: BaseException | None, *, confirm: bool = False) -> None:
         """Release after the guarded code ended, with ``error`` if it raised.
 
-        A lost lock raises LockLost, unless ``error`` is already on its way:
-        then the loss is logged and the caller sees its own exception.
+        A lost lock raises LockLost, unless ``error`` is already on its way: then
+        the caller sees its own exception (the loss was logged, once, by whoever
+        found it).
         """
         try:
             # A session whose holder failed is not trusted again.
@@ -346,7 +359,7 @@ class AdvisoryLock:
         except LockLost as lost:
             if error is None:
                 raise
-            logger.warning(
+            logger.debug(
                 "%s (while the body raised %s)",
                 lost,
                 type(error).__name__,

@@ -52,7 +52,7 @@ from typing import Any, Protocol
 import psycopg
 
 from .config import PglockConfig
-from .exceptions import LockLost
+from .exceptions import LockLost, lost_during_step
 from .loss import Loss
 from .session import LockSession
 from .shield import running_body
@@ -110,6 +110,9 @@ class Hold:
         self.since = time.monotonic()
         #: How the lock was found lost, or None.
         self.lost: Loss | None = None
+        #: The loss the release found (its session failed, the lock was gone): set by
+        #: the source, reported by the lock once the release has ended the session's use.
+        self.found_at_release: Loss | None = None
         self.ended = False
         #: The holder's connection (dedicated) or its transaction's (shared).
         self.handle: psycopg.Connection[Any] | None = None
@@ -180,6 +183,35 @@ class Hold:
         if self.on_lost is not None:
             self.on_lost(self, loss)
 
+    def lost_at_release(self, loss: Loss) -> None:
+        """Report a loss that the release found (the lock was gone before it), once.
+
+        The release has ended the session's use already; the holder is told as for
+        any other loss (its loss handler: the event), so that every loss is reported
+        once, whoever found it.
+        """
+        with self._state:
+            if self.lost is not None or not self.granted:
+                return
+            self.lost = loss
+        logger.error(
+            "lock %s lost by %s (task %s), found at release: %s",
+            self.label,
+            self.application_name,
+            self.task_id,
+            loss.detail,
+            extra={
+                "lock": self.label,
+                "key": self.key,
+                "task_id": self.task_id,
+                "holder": self.application_name,
+                "reason": loss.detail,
+                "loss": loss.kind.value,
+            },
+        )
+        if self.on_lost is not None:
+            self.on_lost(self, loss)
+
 
 class Monitor:
     """Checks every hold of this process each check interval, with bounded threads."""
@@ -227,6 +259,11 @@ class Monitor:
     def count_loss(self, when: str) -> None:
         with self._losses_lock:
             self.losses[when] += 1
+
+    def found_at_release(self, hold: Hold, loss: Loss) -> None:
+        """The release of ``hold`` found ``loss`` (counted; the lock reports it)."""
+        self.count_loss("at_release")
+        hold.found_at_release = loss
 
     def watch(self, hold: Hold) -> None:
         """Check ``hold`` once it has lasted a check interval, and every interval after.
@@ -387,8 +424,10 @@ class Body:
     :meth:`interrupt` may be called from any thread.
     """
 
-    def __init__(self, label: str, monitor: Monitor) -> None:
+    def __init__(self, label: str, monitor: Monitor, *, task: str | None = None) -> None:
         self.label = label
+        #: The task whose step the body is (for the text of its LockLost), if any.
+        self.task = task
         self.running = False
         self.reason: str | None = None
         # Re-entrant: the signal handler (arrived()) may run in the main thread's body
@@ -447,7 +486,7 @@ class Body:
                 self._monitor.interrupted.append(self)
                 signal.pthread_kill(self._target, INTERRUPT_SIGNAL)
             elif self._kind == "thread":
-                _async_raise(self._target, LockLost)
+                _async_raise(self._target, Interrupted)
             elif self._kind == "gevent":
                 import gevent  # type: ignore[import-untyped]
 
@@ -510,7 +549,23 @@ class Body:
             self._target.throw(self.lost())
 
     def lost(self) -> LockLost:
-        return LockLost(f"lock {self.label} was lost while its body ran: {self.reason}")
+        return LockLost(lost_during_step(self.label, self.reason or "", self.task))
+
+
+class Interrupted(LockLost):
+    """LockLost raised inside a pool thread's body by another thread.
+
+    CPython raises a class there, never an instance: it is made in the body's own
+    thread, which gives it its body's text (the same words as under every other
+    pool). One that surfaces after its body ended has the plain text; the task
+    turns it into its own LockLost then.
+    """
+
+    def __init__(self, message: str | None = None) -> None:
+        body = running_body.get()
+        if message is None and isinstance(body, Body) and body.reason is not None:
+            message = str(body.lost())
+        super().__init__(message)
 
 
 def _async_raise(thread_id: int, exception: type[BaseException]) -> None:

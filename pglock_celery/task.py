@@ -9,6 +9,7 @@ a call is kept on the task instance, which every call in a process shares.
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import inspect
 import logging
@@ -18,12 +19,12 @@ import string
 import warnings
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, TypedDict, TypeGuard
 
 import psycopg
 from celery import Celery, Task, signals, states
 from celery.canvas import _chain, chord, group, maybe_signature
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Retry
 
 from .config import PglockConfig, get_config, retry_countdown
 from .dsn import parse_dsn
@@ -33,6 +34,7 @@ from .exceptions import (
     LockNameError,
     LockTimeout,
     PglockError,
+    lost_during_step,
 )
 from .inspect import database_identity
 from .keys import check_lock_name, check_timeout
@@ -44,10 +46,13 @@ from .sources import registry
 
 logger = logging.getLogger("pglock_celery.task")
 
-#: Task event sent when a call skips because another session holds its lock.
 LOCK_SKIPPED_EVENT = "task-lock-skipped"
-#: Task event sent when a running call's lock is found lost.
+"""The task event (``"task-lock-skipped"``) sent when a call skips because another session
+holds its lock; its fields: ``lock``, and ``holder`` (every field Postgres reported)."""
 LOCK_LOST_EVENT = "task-lock-lost"
+"""The task event (``"task-lock-lost"``) sent once for each loss of a running call's lock,
+whoever found it (the monitor, the body, a transaction, the release); its fields:
+``lock``, ``reason``, ``loss`` (its kind) and ``holder`` (the session's application_name)."""
 #: pglock_on_lost: raise LockLost inside the running body.
 INTERRUPT = "interrupt"
 #: Exit status of a worker process ended by pglock_on_lost = "terminate".
@@ -55,6 +60,65 @@ LOCK_LOST_EXIT_STATUS = 70
 
 SKIP, WAIT, RETRY = "skip", "wait", "retry"
 LOCK_MODES = (SKIP, WAIT, RETRY)
+
+
+class SkipHolder(TypedDict):
+    """Who held the lock when a call skipped, as the skip result keeps it (JSON-safe).
+
+    Enough to find the holder's run (its task id, its process and host), its
+    server session (the backend to look up or end) and how long it has held the
+    lock. Everything else Postgres reports (application_name, client address,
+    session state) goes in the ``task-lock-skipped`` event and the skip's log line.
+    """
+
+    task_id: str | None
+    """The holder's task id, when a TenantLockedTask (or a lock taken in a task) holds it."""
+    worker_pid: int | None
+    """The holder's worker process, when the library holds the lock."""
+    worker_host: str | None
+    """The host of that process."""
+    backend_pid: int
+    """The server process of the holder's lock session (``pg_stat_activity.pid``)."""
+    locked_at: str | None
+    """When the lock was granted (ISO 8601), when its session records it."""
+
+
+class SkipResult(TypedDict):
+    """What a skipped call returns by default (``TenantLockedTask.on_lock_skipped``)."""
+
+    skipped: Literal[True]
+    """Always True: what ``pglock_celery.skipped(result)`` looks for."""
+    lock: str
+    """The lock name the call resolved."""
+    holder: SkipHolder | None
+    """Who held it, or None (``pglock_report_holder = False``, or unknown)."""
+
+
+def skipped(result: object) -> TypeGuard[SkipResult]:
+    """Return whether ``result`` is a skip result rather than what a body returned.
+
+    True for the default skip result (a mapping with ``"skipped": True``, a str
+    ``"lock"`` and a ``"holder"``), also as ``AsyncResult.get()`` gives it back
+    through any result serializer. A task that overrides ``on_lock_skipped`` tells
+    its own results apart itself.
+    """
+    return (
+        isinstance(result, Mapping)
+        and result.get("skipped") is True
+        and isinstance(result.get("lock"), str)
+        and "holder" in result
+    )
+
+
+def _skip_holder(holder: Mapping[str, Any]) -> SkipHolder:
+    return {
+        "task_id": holder.get("task_id"),
+        "worker_pid": holder.get("worker_pid"),
+        "worker_host": holder.get("worker_host"),
+        "backend_pid": holder["backend_pid"],
+        "locked_at": holder.get("locked_at"),
+    }
+
 
 # The lock of the TenantLockedTask call running in this context (None for a call
 # running under its caller's hold): what its self.retry may release.
@@ -179,18 +243,19 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
                     stacklevel=2,
                 )
 
-    #: The lock of a call: a ``str.format`` template over the call's bound
-    #: arguments (defaults applied), or a callable taking the call's arguments
-    #: and returning the name.
     lock_name: ClassVar[str | Callable[..., str]] = "tenant:{tenant_id}"
-    #: ``"skip"``: return the skip result when the lock is held elsewhere;
-    #: ``"wait"``: block until it is free (bounded by ``lock_timeout``);
-    #: ``"retry"``: ``self.retry`` after a countdown, holding nothing meanwhile.
+    """The lock of a call: a ``str.format`` template over the call's bound arguments
+    (defaults applied), or a callable taking the call's arguments and returning the
+    name. Default ``"tenant:{tenant_id}"``."""
     lock_mode: ClassVar[str] = SKIP
-    #: Seconds a ``"wait"`` call waits before LockTimeout; None: no bound.
+    """``"skip"`` (default): return the skip result when the lock is held elsewhere;
+    ``"wait"``: block until it is free (bounded by ``lock_timeout``); ``"retry"``:
+    ``self.retry`` after a countdown, holding nothing meanwhile."""
     lock_timeout: ClassVar[float | None] = None
-    #: Countdown of a ``"retry"`` call; None: the pglock_retry_countdown setting.
+    """Seconds a ``"wait"`` call waits before LockTimeout; None (default): no bound."""
     lock_retry_countdown: ClassVar[float | None] = None
+    """Countdown of a ``"retry"`` call in seconds; None (default): the
+    ``pglock_retry_countdown`` setting (5 s)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         name = self.resolve_lock_name(args, kwargs)
@@ -225,7 +290,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             finally:
                 _this_call.reset(call_token)
         # The body to interrupt when the lock is found lost (pglock_on_lost).
-        body = Body(name, registry.monitor) if config.on_lost == INTERRUPT else None
+        body = Body(name, registry.monitor, task=self.name) if config.on_lost == INTERRUPT else None
         lock = AdvisoryLock(
             name,
             config=config,
@@ -242,9 +307,17 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         )
         call_token = _this_call.set(lock)
         try:
-            return self._run_locked(lock, mode, config, args, kwargs, body)
-        finally:
-            _this_call.reset(call_token)
+            try:
+                return self._run_locked(lock, mode, config, args, kwargs, body)
+            finally:
+                _this_call.reset(call_token)
+        except (LockLost, psycopg.Error) as exc:
+            loss = lock.loss
+            if loss is None:
+                raise
+            # One text whoever found the loss (the monitor, the body, a transaction, the
+            # release) and under every pool; the finder's own error is its cause.
+            raise LockLost(lost_during_step(lock.label, loss.detail, self.name)) from exc
 
     def _run_locked(
         self,
@@ -274,21 +347,13 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             try:
                 with fence_orm(lock, config):
                     return super().__call__(*args, **kwargs)
-            except LockLost as exc:
-                if body is not None and body.reason is not None and not exc.args:
-                    # Raised in a pool thread as a bare class (an asynchronous exception
-                    # carries no message): the same words as under every other pool.
-                    raise body.lost() from None
+            except psycopg.Error:
+                # A failed lock session is a lost lock, whatever the statement was (held()
+                # finds and reports the loss; __call__ then raises LockLost); an SQL error
+                # of the body on a live session is its own.
+                if lock.loss is None:
+                    lock.held()
                 raise
-            except psycopg.Error as exc:
-                # A failed lock session is a lost lock, whatever the statement
-                # was; an SQL error of the body on a live session is its own.
-                if lock.lost_reason is None and lock.held():
-                    raise
-                raise LockLost(
-                    f"task {self.name}: lock {lock.label} was lost during the step: "
-                    f"{lock.lost_reason or ' '.join(str(exc).split())}"
-                ) from exc
             finally:
                 if body is not None:
                     body.end()
@@ -342,8 +407,20 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         args: tuple[Any, ...],
         kwargs: Mapping[str, Any],
     ) -> Any:
-        """Return the result of a call that skipped because the lock was held."""
-        return {"skipped": True, "lock": lock_name, "holder": holder}
+        """Return the result of a call that skipped because the lock was held.
+
+        ``holder`` is everything Postgres reported about the holder (the fields of
+        ``pglock_celery.holder()``, as a dict), or None. The default result is a
+        ``SkipResult``, small whatever the holder: ``{"skipped": True, "lock":
+        name, "holder": SkipHolder or None}``; ``pglock_celery.skipped(result)``
+        tells it from a result of the body.
+        """
+        result: SkipResult = {
+            "skipped": True,
+            "lock": lock_name,
+            "holder": _skip_holder(holder) if holder is not None else None,
+        }
+        return result
 
     def resolve_lock_name(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """Return the lock name of a call, or raise LockNameError saying why."""
@@ -556,23 +633,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             )
             raise Ignore()
         if mode == RETRY:
-            countdown = self.lock_retry_countdown or config.retry_countdown
-            logger.info(
-                "lock %s is held by %s: task %s[%s] retries in %g s",
-                name,
-                shown,
-                self.name,
-                self.request.id,
-                countdown,
-                extra=extra,
-            )
-            raise self.retry(
-                countdown=countdown,
-                exc=LockTimeout(
-                    f"task {self.name}: lock {name} was still held after "
-                    f"{self.request.retries} retries"
-                ),
-            )
+            self._retry_later(name, shown, config, extra)
         logger.info(
             "lock %s is held by %s: task %s[%s] skipped",
             name,
@@ -596,6 +657,46 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         self.request.chain = None
         self.request.callbacks = None
         return skipped
+
+    def _retry_later(
+        self, name: str, shown: str, config: PglockConfig, extra: dict[str, Any]
+    ) -> None:
+        """Retry a call that found its lock held (lock_mode ``"retry"``), saying so.
+
+        A retry is logged as one: when it comes and how many are left (here and in
+        Celery's own line). Out of retries, the call fails with LockTimeout.
+        """
+        countdown = self.lock_retry_countdown or config.retry_countdown
+        done, most = self.request.retries, self.max_retries
+        if most is not None and done >= most:
+            # Celery raises this exc itself, as the call's failure.
+            raise self.retry(
+                countdown=countdown,
+                exc=LockTimeout(
+                    f"task {self.name}: lock {name} was still held after {done} retries"
+                ),
+            )
+        at = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=countdown)
+        left = "no limit" if most is None else f"{most - done - 1} left after it"
+        when = (
+            f"in {countdown:g} s (at {at.isoformat(timespec='seconds')}), retry "
+            f"{done + 1}{'' if most is None else f' of {most}'} ({left})"
+        )
+        logger.info(
+            "lock %s is held by %s: task %s[%s] retries %s",
+            name,
+            shown,
+            self.name,
+            self.request.id,
+            when,
+            extra=extra,
+        )
+        retrying = f"lock {name} is held by {shown}: retrying {when}"
+        try:
+            self.retry(countdown=countdown, exc=LockTimeout(f"task {self.name}: {retrying}"))
+        except Retry as retry:
+            retry.message = retrying  # Celery's own line: "Task ...[id] retry: <this>"
+            raise
 
     def _answer_what_follows(self, skipped: Any) -> None:
         """Store the skip result as the result of every call that was to follow this one.
@@ -634,8 +735,12 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         reaction: str,
         body: Body | None,
     ) -> None:
-        """React to a loss found while the call holds the lock (by a monitor thread or
-        the body itself), once the lock's session is already cut off."""
+        """React to a loss found while the call holds the lock (by a monitor thread, the
+        body itself, or its release), once the lock's session is already cut off.
+
+        Every loss is reported here once (the event), whoever found it; a loss found
+        at release has no body left to stop.
+        """
         reason = loss.detail
         self._send_event(
             LOCK_LOST_EVENT,
@@ -648,7 +753,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         )
         if reaction == INTERRUPT and body is not None:
             body.interrupt(reason)
-        elif reaction == "terminate":
+        elif reaction == "terminate" and not lock.ended:
             logger.error(
                 "lock %s lost: ending worker process %d so that task %s[%s] stops",
                 lock.label,

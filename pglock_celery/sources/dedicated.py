@@ -26,7 +26,7 @@ from psycopg.pq import TransactionStatus
 from .. import sql
 from ..config import PglockConfig
 from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
-from ..loss import Loss, LossKind, session_ended
+from ..loss import Loss, LossKind, lock_gone, session_ended
 from ..monitor import Hold, one_line
 from ..session import LockSession, idle_name, open_session, stamped
 from .base import REUSE, Registry, Source, fenced_transaction
@@ -217,7 +217,9 @@ class DedicatedSource(Source):
             else:
                 unlocked = session.query(*sql.UNLOCK, (key,)).get_value(0, 0)
         except psycopg.Error as exc:
-            self.monitor.count_loss("at_release")
+            self.monitor.found_at_release(
+                hold, session_ended(f"the lock session failed at release: {one_line(exc)}")
+            )
             raise LockLost(
                 f"lock {label}: the session failed at release, so the lock "
                 f"was lost before it: {one_line(exc)}"
@@ -225,7 +227,9 @@ class DedicatedSource(Source):
         finally:
             session.guard.release()
         if unlocked != b"t":
-            self.monitor.count_loss("at_release")
+            self.monitor.found_at_release(
+                hold, lock_gone("the session no longer held the lock at release")
+            )
             raise LockLost(f"lock {label} was no longer held at release")
         return clean
 
@@ -242,6 +246,14 @@ class DedicatedSource(Source):
             session, deadline
         ):
             return False
+        self.monitor.found_at_release(
+            hold,
+            Loss(
+                LossKind.CANNOT_TELL,
+                "a statement kept the session busy at release, and the server did not "
+                "confirm that it ended the session",
+            ),
+        )
         raise LockLost(
             f"lock {hold.label}: a statement kept its session busy at release, and the "
             f"server did not confirm within {deadline:g} s that it ended the session"

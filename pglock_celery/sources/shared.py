@@ -32,7 +32,7 @@ import psycopg
 from .. import sql
 from ..config import PglockConfig
 from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
-from ..loss import Loss, session_ended
+from ..loss import Loss, lock_gone, session_ended
 from ..monitor import Hold, one_line
 from ..session import LockSession, application_name, open_session
 from .base import Registry, Source
@@ -195,7 +195,9 @@ class SharedSource(Source):
                 self._fail(session, session_ended(f"the lock session failed: {one_line(exc)}"))
             else:
                 self._let_go(session, str(hold.key).encode())
-            self.monitor.count_loss("at_release")
+            self.monitor.found_at_release(
+                hold, session_ended(f"the lock session failed at release: {one_line(exc)}")
+            )
             raise LockLost(
                 f"lock {label}: the shared session failed at release, so the lock was lost "
                 f"before it: {one_line(exc)}"
@@ -206,7 +208,9 @@ class SharedSource(Source):
                 self._claimed.discard(hold.key)
                 self._ready.notify_all()
         if unlocked != b"t":
-            self.monitor.count_loss("at_release")
+            self.monitor.found_at_release(
+                hold, lock_gone("the session no longer held the lock at release")
+            )
             raise LockLost(f"lock {label} was no longer held at release")
 
     # -- what a holder touches ---------------------------------------------------------

@@ -67,9 +67,9 @@ def test_a_statement_that_fails_on_a_lost_session_fails_the_call_with_lock_lost(
 
     result = step.apply((run_id,))
     assert isinstance(result.result, LockLost), repr(result.result)
-    assert str(result.result) == (
+    assert str(result.result).startswith(
         f"task {step.name}: lock t:{run_id} was lost during the step:"
-        " the lock session failed: it is closed"
+        " the lock session failed: it is closed. What to do: "
     )
     assert isinstance(result.result.__cause__, psycopg.OperationalError)
     assert "terminating connection" in str(result.result.__cause__)
@@ -234,7 +234,10 @@ def test_a_skip_is_logged_with_its_holder_and_the_call(
         f"lock t:{run_id} is held by {holder}: task {step.name}[{result.id}] skipped"
     )
     assert (record.lock, record.task_id) == (f"t:{run_id}", result.id)  # type: ignore[attr-defined]
-    assert record.holder == result.result["holder"]  # type: ignore[attr-defined]
+    # The log has every field of the holder; the result keeps the few a caller acts on.
+    logged = record.holder  # type: ignore[attr-defined]
+    kept = None if logged is None else {key: logged[key] for key in result.result["holder"]}
+    assert kept == result.result["holder"]
     if report:
         assert result.result["holder"]["task_id"] == holder_task
 
@@ -368,7 +371,7 @@ def test_a_retry_while_held_is_logged_with_its_countdown(
     eager_app: Celery, pg_dsn: str, run_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     @eager_app.task(
-        base=TenantLockedTask, lock_name="t:{tenant}", lock_mode="retry", max_retries=0,
+        base=TenantLockedTask, lock_name="t:{tenant}", lock_mode="retry", max_retries=1,
         lock_retry_countdown=0.25, shared=False,
     )  # fmt: skip
     def step(tenant: str) -> str:
@@ -383,9 +386,12 @@ def test_a_retry_while_held_is_logged_with_its_countdown(
     shown = (
         f"task {holder_task} (process {os.getpid()} on {socket.gethostname()}, backend {backend})"
     )
-    assert record.getMessage() == (
+    message = record.getMessage()
+    assert message.startswith(
         f"lock t:{run_id} is held by {shown}: task {step.name}[{result.id}] retries in 0.25 s"
-    )
+        " (at 20"
+    ), message
+    assert message.endswith("), retry 1 of 1 (0 left after it)"), message
     assert (record.lock, record.task_id) == (f"t:{run_id}", result.id)  # type: ignore[attr-defined]
 
 
@@ -395,7 +401,7 @@ def test_the_retry_countdown_falls_back_to_the_setting(
     eager_app.conf.pglock_retry_countdown = 0.75
 
     @eager_app.task(
-        base=TenantLockedTask, lock_name="t:{tenant}", lock_mode="retry", max_retries=0,
+        base=TenantLockedTask, lock_name="t:{tenant}", lock_mode="retry", max_retries=1,
         shared=False,
     )  # fmt: skip
     def step(tenant: str) -> str:
@@ -403,7 +409,7 @@ def test_the_retry_countdown_falls_back_to_the_setting(
 
     with try_lock(f"t:{run_id}", dsn=pg_dsn), caplog.at_level("INFO"):
         step.apply((run_id,))
-    assert any(r.getMessage().endswith("retries in 0.75 s") for r in caplog.records)
+    assert any("] retries in 0.75 s (at " in r.getMessage() for r in caplog.records)
 
 
 def test_on_lost_terminate_ends_the_process_with_status_70(
