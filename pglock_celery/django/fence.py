@@ -30,6 +30,7 @@ from django.db.backends.postgresql.psycopg_any import (  # type: ignore[import-u
     IsolationLevel,
 )
 from django.db.backends.utils import debug_transaction  # type: ignore[import-untyped]
+from psycopg import pq
 from psycopg.adapt import AdaptersMap
 
 from ..exceptions import LockLost, PglockError
@@ -59,7 +60,8 @@ def fenced_orm(lock: AdvisoryLock, alias: str) -> Iterator[None]:
             "the task outside the transaction, e.g. transaction.on_commit(lambda: "
             "task.delay(...))"
         )
-    backend: type = type(original)
+    # A task called by another's body: its lock fences its own body, on its own session.
+    backend: type = getattr(original, "pglock_backend", type(original))
     wrapper = fenced_class(backend)(_settings_for_the_body(original.settings_dict), alias)
     wrapper.pglock_lock = lock
     connections[alias] = wrapper
@@ -89,7 +91,47 @@ def _settings_for_the_body(settings_dict: dict[str, Any]) -> dict[str, Any]:
 @functools.cache
 def fenced_class(backend: type) -> type:
     """The backend's DatabaseWrapper class, its connection and transactions the lock's."""
-    return type(f"Fenced{backend.__name__}", (FencedWrapper, backend), {"__module__": __name__})
+    return type(
+        f"Fenced{backend.__name__}",
+        (FencedWrapper, backend),
+        {"__module__": __name__, "pglock_backend": backend},
+    )
+
+
+@functools.cache
+def fenced_cursor_class(cursor: type) -> type:
+    """The psycopg cursor class ``cursor`` (Django's), its statements fenced."""
+    return type(f"Fenced{cursor.__name__}", (FencedCursor, cursor), {"__module__": __name__})
+
+
+class FencedCursor:
+    """Mixed into a cursor on the lock's handle: every way it sends SQL is fenced.
+
+    ``execute``, ``executemany``, ``copy`` and ``stream`` (and ``callproc``, which
+    executes) run inside the fenced transaction Django began, or inside one of
+    their own in autocommit: whether reached through Django's cursor wrapper,
+    through the psycopg cursor under it, or through the handle's ``execute()``.
+    """
+
+    __slots__ = ()
+    connection: Any  # the lock's handle, with its pglock_statement()
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        with self.connection.pglock_statement():
+            return super().execute(*args, **kwargs)  # type: ignore[misc]
+
+    def executemany(self, *args: Any, **kwargs: Any) -> Any:
+        with self.connection.pglock_statement():
+            return super().executemany(*args, **kwargs)  # type: ignore[misc]
+
+    @contextlib.contextmanager
+    def copy(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        with self.connection.pglock_statement(), super().copy(*args, **kwargs) as copy:  # type: ignore[misc]
+            yield copy
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        with self.connection.pglock_statement():
+            yield from super().stream(*args, **kwargs)  # type: ignore[misc]
 
 
 def use_adapters(handle: psycopg.Connection[Any], template: AdaptersMap) -> None:
@@ -112,6 +154,9 @@ class FencedWrapper:
 
     pglock_lock: AdvisoryLock
     _fenced: AbstractContextManager[psycopg.Connection[Any]] | None = None
+    #: While the lock's own statements run on the handle (its proof, BEGIN, COMMIT):
+    #: they pass the cursors' fence.
+    _library = False
 
     # The attributes of Django's DatabaseWrapper used here.
     settings_dict: dict[str, Any]
@@ -134,68 +179,122 @@ class FencedWrapper:
         )
         if level is not None:
             handle.isolation_level = self.isolation_level
-        handle.cursor_factory = conn_params["cursor_factory"]
+        handle.cursor_factory = fenced_cursor_class(conn_params["cursor_factory"])
         handle.prepare_threshold = conn_params["prepare_threshold"]
         use_adapters(handle, conn_params["context"])
+        # For its cursors (FencedCursor).
+        handle.pglock_statement = self._statement_fence  # type: ignore[attr-defined]
         return handle
 
     def _set_autocommit(self, autocommit: bool) -> None:
-        """Turning autocommit off begins nothing yet: the first statement does (fenced)."""
+        """Autocommit off: the fenced transaction begins now, before any statement
+        (whatever path the first takes); on again only once it has ended."""
         if autocommit and self._fenced is not None:
             with self.wrap_database_errors:
                 raise psycopg.ProgrammingError(
                     "cannot turn autocommit on inside a transaction: commit or roll back first"
                 )
+        if not autocommit and self._fenced is None:
+            self._begin()
 
     def create_cursor(self, name: str | None = None) -> Any:
         self._raise_if_lost(None)
         try:
-            return super().create_cursor(name)  # type: ignore[misc]
+            cursor = super().create_cursor(name)  # type: ignore[misc]
         except DatabaseError as exc:
             self._raise_if_lost(exc)
             raise
+        if not isinstance(cursor, FencedCursor):
+            # A named (server-side) cursor, which Django makes of its own class.
+            made: type = type(cursor)
+            cursor.__class__ = fenced_cursor_class(made)
+        return cursor
+
+    @contextlib.contextmanager
+    def _statement_fence(self) -> Iterator[None]:
+        """Around each statement: inside the open fenced transaction, which SQL of the
+        body's own must not have ended (COMMIT or ROLLBACK through a cursor), or inside
+        a fenced transaction of its own in autocommit."""
+        if self._library:
+            yield
+            return
+        if self._fenced is None:
+            fenced = self._enter()
+            try:
+                yield
+            except BaseException as exc:
+                self._exit(fenced, exc)
+                raise
+            self._exit(fenced, None)
+            return
+        self._refuse_an_ended_transaction()
+        yield
+        self._refuse_an_ended_transaction()
+
+    def _refuse_an_ended_transaction(self) -> None:
+        handle = self.connection
+        if handle is not None and handle.pgconn.transaction_status == pq.TransactionStatus.IDLE:
+            self._raise_if_lost(None)
+            raise PglockError(
+                f"lock {self.pglock_lock.label}: SQL of the body's own ended the fenced "
+                "transaction (COMMIT or ROLLBACK through a cursor), so what follows would "
+                "not be fenced: end transactions with transaction.atomic() only"
+            )
 
     def _fence_statement(
         self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any
     ) -> Any:
-        """Run a statement inside the lock's fenced transaction (execute wrapper)."""
-        lock = self.pglock_lock
+        """A database error of a statement on a lost lock's session is LockLost (the
+        statement itself is fenced by its cursor: FencedCursor)."""
         try:
-            if self._fenced is None and not self.get_autocommit():
-                self._begin()
-            if self._fenced is not None:
-                return execute(sql, params, many, context)
-            with lock.transaction():  # autocommit: a fenced transaction of its own
-                return execute(sql, params, many, context)
+            return execute(sql, params, many, context)
         except DatabaseError as exc:
             self._raise_if_lost(exc)
             raise
 
-    def _begin(self) -> None:
-        with library_code():
-            fenced = self.pglock_lock.transaction()
+    def _enter(self) -> AbstractContextManager[psycopg.Connection[Any]]:
+        """Begin a ``lock.transaction()`` (its proof runs on the handle, unfenced)."""
+        fenced = self.pglock_lock.transaction()
+        with library_code(), self._the_locks_own():
             fenced.__enter__()
-            self._fenced = fenced
+        return fenced
+
+    def _exit(
+        self, fenced: AbstractContextManager[psycopg.Connection[Any]], error: BaseException | None
+    ) -> None:
+        """End ``fenced``: its commit (LockLost and a rollback unless the lock is
+        proven), or its rollback after ``error``."""
+        with library_code(), self._the_locks_own():
+            fenced.__exit__(None if error is None else type(error), error, None)
+
+    @contextlib.contextmanager
+    def _the_locks_own(self) -> Iterator[None]:
+        self._library = True
+        try:
+            yield
+        finally:
+            self._library = False
+
+    def _begin(self) -> None:
+        self._fenced = self._enter()
 
     def _commit(self) -> None:
         """COMMIT only once the lock is proven again (LockLost and a rollback otherwise)."""
-        with library_code():
-            fenced, self._fenced = self._fenced, None
-            if fenced is not None:
-                with debug_transaction(self, "COMMIT"), self.wrap_database_errors:
-                    fenced.__exit__(None, None, None)
+        fenced, self._fenced = self._fenced, None
+        if fenced is not None:
+            with debug_transaction(self, "COMMIT"), self.wrap_database_errors:
+                self._exit(fenced, None)
 
     def _rollback(self) -> None:
         """Roll back; on a lost lock's cut session there is nothing left to roll back."""
-        with library_code():
-            fenced, self._fenced = self._fenced, None
-            if fenced is not None:
-                with (
-                    contextlib.suppress(LockLost),
-                    debug_transaction(self, "ROLLBACK"),
-                    self.wrap_database_errors,
-                ):
-                    fenced.__exit__(_RolledBack, _RolledBack(), None)
+        fenced, self._fenced = self._fenced, None
+        if fenced is not None:
+            with (
+                contextlib.suppress(LockLost),
+                debug_transaction(self, "ROLLBACK"),
+                self.wrap_database_errors,
+            ):
+                self._exit(fenced, _RolledBack())
 
     def _close(self) -> None:
         self._rollback()

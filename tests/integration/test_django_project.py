@@ -181,6 +181,56 @@ def test_the_bodys_own_orm_sql_cannot_free_its_lock(
     assert still_held is True
 
 
+def notes(pg_dsn: str, tenant: str) -> list[str]:
+    """The committed notes (an unguarded table) of ``tenant``, read from outside."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT text FROM shop_note WHERE tenant = %s ORDER BY id", (tenant,)
+        ).fetchall()
+    return [str(text) for (text,) in rows]
+
+
+def test_sql_sent_around_djangos_execute_is_fenced_too(
+    worker: Worker, shop_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    """psycopg's stream(), copy() and the raw cursor under Django's: each in a fenced
+    transaction, so an unlock through them frees nothing and their writes commit held."""
+    tenant = f"{run_id}-{worker.pool}"
+    result = send(shop_app, worker, "sql_past_the_wrapper", tenant).get(timeout=RESULT_TIMEOUT)
+    assert result == {"other_got": False, "held": True}
+    assert notes(pg_dsn, tenant) == ["copied", "raw"]
+
+
+def test_a_copy_in_an_atomic_block_rolls_back_with_it(
+    worker: Worker, shop_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    """The fenced transaction begins with atomic(), whatever its first statement."""
+    tenant = f"{run_id}-{worker.pool}"
+    send(shop_app, worker, "copy_in_a_rolled_back_atomic", tenant).get(timeout=RESULT_TIMEOUT)
+    assert notes(pg_dsn, tenant) == []
+
+
+def test_sql_that_ends_the_fenced_transaction_stops_what_follows(
+    worker: Worker, shop_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    """COMMIT through a cursor inside atomic(): refused from then on (PglockError), so
+    neither an unlock nor a write runs outside the fence; the lock stays held."""
+    tenant = f"{run_id}-{worker.pool}"
+    seen = send(shop_app, worker, "commit_by_sql", tenant).get(timeout=RESULT_TIMEOUT)
+    assert seen["commit"] == seen["unlock"] == seen["after"] == "PglockError", seen
+    assert seen["held"] == "True", seen
+    assert "after" not in notes(pg_dsn, tenant)
+
+
+def test_a_task_called_from_another_body_fences_its_writes_with_its_own_lock(
+    worker: Worker, shop_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    tenant = f"{run_id}-{worker.pool}"
+    inner = send(shop_app, worker, "call_another_tenants_step", tenant).get(timeout=RESULT_TIMEOUT)
+    assert inner["writers"] == [inner["backend_pid"]]
+    assert ledger(pg_dsn, f"{tenant}-inner") == [("inner", inner["backend_pid"])] * 2
+
+
 @pytest.mark.parametrize("inside_atomic", [False, True], ids=["autocommit", "atomic"])
 def test_nothing_written_after_the_lock_is_lost_commits(
     worker: Worker,

@@ -93,3 +93,73 @@ def _signal_and_wait(
             return
         time.sleep(0.02)
     raise TimeoutError("the test never said go")
+
+
+@shared_task(base=TenantLockedTask, lock_name=LOCK)
+def sql_past_the_wrapper(tenant: str) -> dict[str, Any]:
+    """SQL sent around Django's execute(): psycopg's stream(), copy(), the raw cursor.
+
+    The first frees the lock if it can; a side session then tries the lock. Returns
+    what it got, and whether the body's lock is still held at the end.
+    """
+    lock = current_lock()
+    assert lock is not None
+    with connection.cursor() as cursor:
+        list(cursor.stream("SELECT pg_advisory_unlock_all()"))
+        with psycopg.connect(dsn("default"), autocommit=True) as side:
+            row = side.execute("SELECT pg_try_advisory_lock(%s)", (lock.key,)).fetchone()
+            other_got = bool(row and row[0])
+        with cursor.copy("COPY shop_note (tenant, text) FROM STDIN") as copy:
+            copy.write_row((tenant, "copied"))
+        cursor.cursor.execute("INSERT INTO shop_note (tenant, text) VALUES (%s, 'raw')", (tenant,))
+    return {"other_got": other_got, "held": lock.held()}
+
+
+@shared_task(base=TenantLockedTask, lock_name=LOCK)
+def copy_in_a_rolled_back_atomic(tenant: str) -> None:
+    """A COPY as the first statement of an atomic() block that then fails."""
+    try:
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                with cursor.copy("COPY shop_note (tenant, text) FROM STDIN") as copy:
+                    copy.write_row((tenant, "copied"))
+            Note.objects.create(tenant=tenant, text="created")
+            raise LookupError
+    except LookupError:
+        pass
+
+
+@shared_task(base=TenantLockedTask, lock_name=LOCK)
+def commit_by_sql(tenant: str) -> dict[str, str]:
+    """Inside atomic(): a write, then COMMIT through a cursor, then another write."""
+    seen: dict[str, str] = {}
+    try:
+        with transaction.atomic():
+            Note.objects.create(tenant=tenant, text="before")
+            for step, statement in (
+                ("commit", "COMMIT"),
+                ("unlock", "SELECT pg_advisory_unlock_all()"),
+            ):
+                try:
+                    with connection.cursor() as cursor:
+                        cursor.execute(statement)
+                    seen[step] = "ran"
+                except Exception as exc:
+                    seen[step] = type(exc).__name__
+            try:
+                Note.objects.create(tenant=tenant, text="after")
+                seen["after"] = "ran"
+            except Exception as exc:
+                seen["after"] = type(exc).__name__
+    except Exception as exc:
+        seen["atomic"] = type(exc).__name__
+    lock = current_lock()
+    assert lock is not None
+    seen["held"] = str(lock.held())
+    return seen
+
+
+@shared_task(base=TenantLockedTask, lock_name=LOCK)
+def call_another_tenants_step(tenant: str) -> dict[str, Any]:
+    """Call another tenant's locked task directly from this body: its lock fences its writes."""
+    return record(f"{tenant}-inner", "inner")
