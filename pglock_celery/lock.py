@@ -305,7 +305,7 @@ class AdvisoryLock:
             return
         # No handle is given out after this. A statement of another thread's that
         # keeps the guard is not waited for past the deadline: the source ends it.
-        taken = session.guard.acquire(timeout=session.statement_deadline or -1)
+        taken = session.guard.acquire(timeout=session.statement_deadline)
         try:
             hold.end()
         finally:
