@@ -74,6 +74,9 @@ class Source(Protocol):
 
     def check(self, hold: Hold) -> Loss | None: ...
 
+    def check_interval(self, hold: Hold) -> float:
+        """Seconds between two checks of ``hold``."""
+
     def end_use(self, hold: Hold, loss: Loss) -> None:
         """End the holder's use of its session after ``loss``, never waiting for it."""
 
@@ -271,7 +274,7 @@ class Monitor:
         The scheduler is woken only when it sleeps or must quicken its pace: most
         holds end before their first check and cost no thread switch.
         """
-        interval = hold.config.check_interval
+        interval = hold.source.check_interval(hold)
         hold._next_check = hold.since + interval
         with self._cond:
             self._holds[id(hold)] = hold
@@ -333,7 +336,7 @@ class Monitor:
                 ]
                 self._tick = tick = min(
                     [self.MAX_TICK]
-                    + [hold.config.check_interval / 4 for hold in self._holds.values()]
+                    + [hold.source.check_interval(hold) / 4 for hold in self._holds.values()]
                 )
                 for hold in due:
                     hold._checking = True
@@ -395,7 +398,7 @@ class Monitor:
         except Exception:
             logger.exception("lock %s: the loss check failed", hold.label)
         finally:
-            hold._next_check = time.monotonic() + hold.config.check_interval
+            hold._next_check = time.monotonic() + hold.source.check_interval(hold)
             hold._checking = False
 
     def after_fork_in_child(self) -> None:

@@ -70,7 +70,8 @@ So while a confirmation is valid, L holds the key and nobody else can be promote
 F5). ``ttl 20, loop_wait 2, retry_timeout 4`` give W = 11 s; Patroni's defaults
 ``30/10/10`` give W = 5 s. A holder on a deposed primary is told within W of its last
 confirmation, provided its library refreshes the confirmation before it ends and treats
-an ended one as a loss (what the lock core does with :meth:`LeaderFence.confirm`).
+an ended one as a loss (what the lock core does with ``LeaderFence.confirm``, checking
+each lock often enough for that: ``fenced_check_interval``, 1.2 s at the defaults).
 
 Assumptions:
 A1  Clocks tick at nearly the same rate (etcd's, the Patroni host's, this host's), and
@@ -132,6 +133,32 @@ IDENTITY_QUERY = sql.SERVER_IDENTITY
 
 #: Patroni's defaults for the dynamic configuration keys the window depends on.
 PATRONI_DEFAULTS = {"ttl": 30.0, "loop_wait": 10.0, "retry_timeout": 10.0}
+#: A fenced lock's check interval is lowered to fit the cluster's window, never below this.
+SHORTEST_FENCED_INTERVAL = 0.5
+
+
+def fenced_check_interval(
+    timing: Timing, *, wanted: float, timeout: float, margin: float
+) -> float | None:
+    """The check interval of a fenced lock under ``timing``: ``wanted``, or less.
+
+    Each check needs a confirmation that outlasts the next check (which comes within
+    1.25 intervals) and the time to ask then (three requests of ``timeout``), with
+    half a timeout to spare for the answer just received; so the interval is at most
+    ``(window - 3.5 * timeout) / 1.25``. None when that is below
+    SHORTEST_FENCED_INTERVAL: no check interval works, Patroni's ttl must grow.
+    """
+    fits = (timing.window(margin) - 3.5 * timeout) / 1.25
+    if fits < SHORTEST_FENCED_INTERVAL:
+        return None
+    return min(wanted, fits)
+
+
+def shortest_ttl(timing: Timing, *, timeout: float, margin: float) -> float:
+    """The least ttl with which ``timing``'s loop_wait and retry_timeout leave room for
+    a fenced lock (fenced_check_interval not None), in whole seconds."""
+    needed = 1.25 * SHORTEST_FENCED_INTERVAL + 3.5 * timeout
+    return float(math.ceil(timing.ttl - timing.window(margin) + needed))
 
 
 def parse_urls(raw: Any) -> tuple[str, ...]:
@@ -446,6 +473,47 @@ class LeaderFence:
         """The last timing read from ``GET /config``, if any."""
         with self._guard:
             return self._timing[1] if self._timing else None
+
+    def read_timing(self) -> Timing | None:
+        """The cluster's timing, read now when the last is too old; None when no
+        member gives it (each asked once, within ``timeout``)."""
+        timing = self._current_timing(None)
+        return timing if isinstance(timing, Timing) else None
+
+    def check_interval(self, wanted: float) -> float:
+        """The check interval of a lock under this fence: ``wanted``, or less when the
+        cluster's window needs it (fenced_check_interval). ``wanted`` while the timing
+        is unknown, or when no interval fits (its confirmations are then refused)."""
+        timing = self.timing()
+        if timing is None:
+            return wanted
+        fits = fenced_check_interval(
+            timing, wanted=wanted, timeout=self.timeout, margin=self.margin
+        )
+        return wanted if fits is None else fits
+
+    def problem(self, wanted: float) -> str | None:
+        """Why no lock can be kept under this fence with the cluster's timing, if so.
+
+        Reads the timing (GET /config); a cluster that does not answer is no
+        problem here (every lock fails closed until it does).
+        """
+        timing = self.read_timing()
+        if timing is None:
+            return None
+        if (
+            fenced_check_interval(timing, wanted=wanted, timeout=self.timeout, margin=self.margin)
+            is not None
+        ):
+            return None
+        least = shortest_ttl(timing, timeout=self.timeout, margin=self.margin)
+        return (
+            f"pglock_patroni_url: Patroni's ttl {timing.ttl:g} s, loop_wait "
+            f"{timing.loop_wait:g} s and retry_timeout {timing.retry_timeout:g} s trust a "
+            f"leader's confirmation for {max(timing.window(self.margin), 0):g} s, too short "
+            "to keep any lock confirmed between two checks: raise ttl to at least "
+            f"{least:g} (patronictl edit-config -s ttl={least:g}), or lower loop_wait"
+        )
 
     # -- internals ---------------------------------------------------------------------
 

@@ -160,6 +160,12 @@ def configuration_problems(app: Celery) -> list[str]:
             problems.append(str(exc))
     for task in locked:
         problems.extend(task.configuration_problems())
+    if locked and config is not None and config.patroni_url and not problems:
+        from .patroni import LeaderFence  # the cluster is asked only with a fence
+
+        fenced = LeaderFence.from_setting(config.patroni_url).problem(config.check_interval)
+        if fenced is not None:
+            problems.append(fenced)
     return problems
 
 

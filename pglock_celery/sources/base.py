@@ -146,9 +146,20 @@ class Source(abc.ABC):
         #: as the cluster's leader (patroni.py), confirmed afresh before each check
         #: when the last confirmation would not outlast the next one.
         self.fence = LeaderFence.from_setting(config.patroni_url) if config.patroni_url else None
-        self._fresh_for = 1.25 * config.check_interval + 3 * (
-            self.fence.timeout if self.fence else 0
-        )
+
+    def check_interval(self, hold: Hold) -> float:
+        """Seconds between checks of ``hold``: pglock_check_interval, or less under the
+        fence when the cluster's timing needs it, so that every check finds a
+        confirmation that outlasts the next one (patroni.fenced_check_interval)."""
+        wanted = hold.config.check_interval
+        return wanted if self.fence is None else self.fence.check_interval(wanted)
+
+    def _fresh_for(self) -> float:
+        """How long a confirmation must last: until the next check (within 1.25 check
+        intervals, as the cluster's timing sets them) and the time to ask then."""
+        assert self.fence is not None
+        interval = self.fence.check_interval(self.config.check_interval)
+        return 1.25 * interval + 3 * self.fence.timeout
 
     def leader_problem(self, session: LockSession | None) -> Loss | None:
         """Why ``session``'s server is not (or cannot be told to be) the leader, or None.
@@ -163,15 +174,16 @@ class Source(abc.ABC):
                 LossKind.CANNOT_TELL,
                 "its server's identity is unknown: the Patroni leader cannot be confirmed",
             )
-        verdict = self.fence.confirm(session.identity, fresh_for=self._fresh_for)
-        if verdict.valid(for_at_least=self._fresh_for):
+        verdict = self.fence.confirm(session.identity, fresh_for=self._fresh_for())
+        # Asked again once the answer is in: the first one reads the cluster's timing.
+        fresh_for = self._fresh_for()
+        if verdict.valid(for_at_least=fresh_for):
             return None
         if verdict.leader:
             return Loss(
                 LossKind.CANNOT_TELL,
                 "its server leads, but a confirmation is trusted for less than a check "
-                f"interval and the time to ask ({self._fresh_for:g} s): lower "
-                "pglock_check_interval, or raise Patroni's ttl",
+                f"interval and the time to ask ({fresh_for:g} s): raise Patroni's ttl",
             )
         kind = (
             LossKind.NOT_LEADER

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import psycopg
 import pytest
 
-from pglock_celery import LockLost
+from pglock_celery import LockLost, TenantLockedTask
 from pglock_celery.loss import LossKind
 from pglock_celery.patroni import LeaderFence, ServerIdentity, server_identity
-from tests.support.locks import DEDICATED, lock
+from pglock_celery.task import configuration_problems
+from tests.support.locks import DEDICATED, eager_app, lock
 from tests.support.patroni import Member, PatroniCluster
 from tests.support.services import wait_until
 
@@ -222,6 +225,73 @@ def test_a_longer_ttl_in_patronis_configuration_widens_the_window(
     finally:
         patroni.patch_config({"ttl": 20})
     wait_until(lambda: patroni.config()["ttl"] == 20, 30, "ttl back to 20")
+
+
+#: The failover tests' own timing (tests/support/patroni.py), put back after a test changes it.
+TEST_TIMING = {"ttl": 20, "loop_wait": 2, "retry_timeout": 4}
+
+
+@contextlib.contextmanager
+def timing(cluster: PatroniCluster, **values: int) -> Iterator[None]:
+    """The cluster's dynamic configuration set to ``values`` for the block, then put back."""
+    keys = tuple(values)
+
+    def now_is(wanted: dict[str, int]) -> bool:
+        config = cluster.config()
+        return all(config.get(key) == wanted[key] for key in keys)
+
+    cluster.patch_config(values)
+    try:
+        wait_until(lambda: now_is(values), 30, f"the cluster's configuration to be {values}")
+        yield
+    finally:
+        back = {key: TEST_TIMING[key] for key in keys}
+        cluster.patch_config(back)
+        wait_until(lambda: now_is(back), 30, "the cluster's configuration back")
+
+
+def test_a_lock_is_kept_at_patronis_default_timings_with_the_default_settings(
+    patroni: PatroniCluster,
+) -> None:
+    """ttl 30, loop_wait 10, retry_timeout 10 trust a confirmation for 5 s; the default
+    check interval (2 s) needs 5.5 s, so under the fence it is lowered to fit (1.2 s),
+    and the lock is granted and kept, every check confirmed."""
+    leader_of(patroni)
+    with timing(patroni, ttl=30, loop_wait=10, retry_timeout=10):
+        held = lock(patroni.dsn(), f"defaults:{uuid.uuid4().hex[:8]}", patroni_url=patroni.urls)
+        assert held.config.check_interval == 2.0  # the default, untouched
+        assert held.acquire(), held.loss
+        try:
+            hold = held._hold
+            assert hold is not None
+            # What the monitor schedules the hold's checks by.
+            assert hold.source.check_interval(hold) == pytest.approx(1.2)
+            kept_until = time.monotonic() + 4 * 1.25 * 2.0  # four default intervals
+            while time.monotonic() < kept_until:
+                assert held.loss is None, held.loss
+                time.sleep(0.1)  # time has to pass: the checks run meanwhile
+            assert held.held()
+        finally:
+            held.release()
+
+
+def test_a_worker_refuses_to_start_when_no_check_interval_fits_the_clusters_window(
+    patroni: PatroniCluster,
+) -> None:
+    """ttl 26 with loop_wait 10 leaves a 1 s window: no lock can stay confirmed between
+    two checks, so the worker-start check names the least ttl that works."""
+    leader_of(patroni)
+    app = eager_app(patroni.dsn(), "fence-start", patroni_url=patroni.urls)
+
+    @app.task(base=TenantLockedTask, lock_name="start:{tenant}", shared=False)
+    def step(tenant: str) -> None:
+        return None
+
+    assert configuration_problems(app) == []  # the tests' timing fits
+    with timing(patroni, ttl=26, loop_wait=10, retry_timeout=5):
+        [problem] = configuration_problems(app)
+    assert problem.startswith("pglock_patroni_url: Patroni's ttl 26 s"), problem
+    assert "raise ttl to at least 30" in problem, problem
 
 
 def test_after_a_switchover_the_old_leader_is_refused_and_the_new_one_confirmed(

@@ -64,6 +64,9 @@ class FakeSource:
     def end_use(self, hold: Hold, loss: Loss) -> None:
         self.calls.append(("end_use", loss))
 
+    def check_interval(self, hold: Hold) -> float:
+        return hold.config.check_interval
+
     def checks_of(self, hold: Hold) -> int:
         return sum(1 for checked, _, _ in list(self.checked) if checked is hold)
 
@@ -723,6 +726,9 @@ class FakeFence:
 
     def confirm(self, server: Any, *, fresh_for: float = 0.0) -> Confirmation:
         return self.confirmation
+
+    def check_interval(self, wanted: float) -> float:
+        return wanted
 
 
 def check_only(config: PglockConfig, fence: FakeFence | None = None) -> CheckOnly:

@@ -24,8 +24,10 @@ from pglock_celery.patroni import (
     LeaderFence,
     ServerIdentity,
     Timing,
+    fenced_check_interval,
     judge,
     parse_urls,
+    shortest_ttl,
 )
 
 STARTED = datetime.datetime(2026, 12, 1, 9, 0, 0, 123456, tzinfo=datetime.timezone.utc)
@@ -106,6 +108,28 @@ def test_the_window_is_ttl_less_loop_wait_less_the_longer_of_retry_and_stale_rea
     assert Timing(20, 2, 4).window(margin=1) == 20 - 2 - 5 - 1  # stale read 4 s + 1
     assert Timing(30, 10, 10).window(margin=1) == 30 - 10 - 13 - 1
     assert Timing(40, 2, 10).window(margin=1) == 40 - 2 - 10 - 1
+
+
+def test_a_fenced_check_interval_fits_patronis_defaults_and_is_never_raised() -> None:
+    """At 30/10/10 the window is 5 s: the default interval (2 s) needs 1.25 * 2 + 3 s plus
+    half a timeout, so it is lowered to (5 - 3.5) / 1.25 = 1.2 s; a wide window keeps it."""
+    defaults = Timing(30, 10, 10)
+    assert fenced_check_interval(defaults, wanted=2.0, timeout=1.0, margin=2.0) == 1.2
+    assert fenced_check_interval(Timing(20, 2, 4), wanted=2.0, timeout=1.0, margin=2.0) == 2.0
+    assert fenced_check_interval(defaults, wanted=0.3, timeout=1.0, margin=2.0) == 0.3
+
+
+def test_no_check_interval_fits_a_window_too_short_and_the_least_ttl_is_named() -> None:
+    short = Timing(28, 10, 10)  # window 3 s: (3 - 3.5) / 1.25 < 0.5
+    assert fenced_check_interval(short, wanted=2.0, timeout=1.0, margin=2.0) is None
+    least = shortest_ttl(short, timeout=1.0, margin=2.0)
+    assert least == 30  # 25 s of loop_wait, retries and margin + 0.625 + 3.5, whole seconds
+    fitted = Timing(least, 10, 10)
+    assert fenced_check_interval(fitted, wanted=2.0, timeout=1.0, margin=2.0) is not None
+    assert (
+        fenced_check_interval(Timing(least - 1, 10, 10), wanted=2.0, timeout=1.0, margin=2.0)
+        is None
+    )
 
 
 def test_patronis_defaults_fill_in_absent_keys_and_nonsense_is_refused() -> None:
