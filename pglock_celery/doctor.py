@@ -14,6 +14,7 @@ import math
 import os
 import re
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -21,11 +22,13 @@ from typing import Any
 
 import psycopg
 from celery import Celery, current_app
+from psycopg.conninfo import conninfo_to_dict
 
 from .config import PglockConfig, get_config, load_config
 from .exceptions import ConfigurationError, LockUnavailable
 from .guard import ROW_TRIGGER, guarded_tables, unguarded_children
 from .keys import key_to_lock_fields, lock_key
+from .patroni import LeaderFence, fenced_check_interval, shortest_ttl, shown
 from .session import application_name, open_session
 
 MIN_SERVER_VERSION = 140000
@@ -633,6 +636,174 @@ def check_replication(conn: psycopg.Connection) -> Iterator[Finding]:
         )
 
 
+def check_fence_urls(fence: LeaderFence) -> Iterator[Finding]:
+    """Every member URL of pglock_patroni_url must answer ``GET /patroni`` within the
+    fence's timeout: a member that does not can confirm no lock on its server."""
+    silent = []
+    for url in fence.urls:
+        answer = fence.status(url, "/patroni")
+        if answer.status != 200:
+            silent.append(
+                f"{shown(url)} ({answer.error if answer.status == 0 else f'HTTP {answer.status}'})"
+            )
+    if silent:
+        yield Finding(
+            "patroni urls",
+            "fail",
+            f"no answer to GET /patroni within {fence.timeout:g} s from {', '.join(silent)}:"
+            " a lock on such a member's server is refused (cannot tell)",
+            "start that member's Patroni, or correct its URL in pglock_patroni_url",
+        )
+    else:
+        yield Finding(
+            "patroni urls",
+            "ok",
+            f"all {len(fence.urls)} answer GET /patroni within {fence.timeout:g} s",
+        )
+
+
+def read_cluster(fence: LeaderFence) -> list[dict[str, Any]] | None:
+    """The members Patroni reports (``GET /cluster`` of the first URL that answers)."""
+    for url in fence.urls:
+        answer = fence.status(url, "/cluster")
+        members = answer.body.get("members") if isinstance(answer.body, dict) else None
+        if answer.status == 200 and isinstance(members, list):
+            return [m for m in members if isinstance(m, dict)]
+    return None
+
+
+def _api_base(member: dict[str, Any]) -> str | None:
+    """A member's REST API URL as the setting lists it (scheme, host and port)."""
+    raw = member.get("api_url")
+    if not isinstance(raw, str):
+        return None
+    parts = urllib.parse.urlsplit(raw)
+    return f"{parts.scheme}://{shown(raw)}" if parts.hostname and parts.port else None
+
+
+def check_fence_members(fence: LeaderFence, members: list[dict[str, Any]]) -> Iterator[Finding]:
+    """pglock_patroni_url must list every member of the cluster (A5 in patroni.py).
+
+    A member left out can be promoted, and a lock on its server is never confirmed;
+    a URL listing only a replica leaves the leader out.
+    """
+    listed = {shown(url) for url in fence.urls}
+    missing = [(m, base) for m in members if (base := _api_base(m)) and shown(base) not in listed]
+    if missing:
+        names = ", ".join(f"{m.get('name')} ({shown(base)})" for m, base in missing)
+        urls = ",".join([*fence.urls, *(base for _, base in missing)])
+        yield Finding(
+            "patroni members",
+            "fail",
+            f"pglock_patroni_url leaves out {len(missing)} of the cluster's {len(members)}"
+            f" members: {names}; a lock on a left-out member's server is never confirmed",
+            f'app.conf.pglock_patroni_url = "{urls}"',
+        )
+    else:
+        yield Finding(
+            "patroni members",
+            "ok",
+            f"pglock_patroni_url lists every one of the cluster's {len(members)} members",
+        )
+
+
+def _dsn_hosts(dsn: str) -> list[tuple[str, int]]:
+    """The (host, port) pairs a DSN lists, as libpq pairs them (one port serves all)."""
+    params = conninfo_to_dict(dsn)
+    hosts = str(params.get("host") or params.get("hostaddr") or "localhost").split(",")
+    ports = str(params.get("port") or "5432").split(",")
+    ports = ports * len(hosts) if len(ports) == 1 else ports
+    return [(host, int(port or 5432)) for host, port in zip(hosts, ports, strict=False)]
+
+
+def check_fence_leader(dsn: str, members: list[dict[str, Any]]) -> Iterator[Finding]:
+    """The leader's Postgres (host:port from GET /cluster) must be one of the DSN's hosts."""
+    leaders = [m for m in members if m.get("role") in ("leader", "standby_leader")]
+    if len(leaders) != 1:
+        yield Finding(
+            "patroni leader",
+            "fail",
+            f"GET /cluster reports {len(leaders)} leaders: no lock can be confirmed now",
+            "patronictl list: wait for the cluster to elect a leader, or see why it cannot",
+        )
+        return
+    leader = leaders[0]
+    where = (str(leader.get("host")), int(leader.get("port") or 5432))
+    hosts = _dsn_hosts(dsn)
+    if where not in hosts:
+        every = [(str(m.get("host")), int(m.get("port") or 5432)) for m in members]
+        yield Finding(
+            "patroni leader",
+            "fail",
+            f"the leader {leader.get('name')} runs on {where[0]}:{where[1]}, not one of"
+            f" pglock_dsn's hosts ({', '.join(f'{h}:{p}' for h, p in hosts)}): lock"
+            " sessions cannot reach the primary",
+            f"in pglock_dsn: host={','.join(h for h, _ in every)}"
+            f" port={','.join(str(p) for _, p in every)} target_session_attrs=read-write",
+        )
+    else:
+        yield Finding(
+            "patroni leader",
+            "ok",
+            f"the leader {leader.get('name')} ({where[0]}:{where[1]}) is one of pglock_dsn's hosts",
+        )
+
+
+def check_fence_window(fence: LeaderFence, check_interval: float) -> Iterator[Finding]:
+    """Patroni's ttl, loop_wait and retry_timeout must leave room to check a fenced lock."""
+    timing = fence.read_timing()
+    if timing is None:
+        yield Finding(
+            "patroni window",
+            "fail",
+            "no member gave Patroni's dynamic configuration (GET /config): every lock is"
+            " refused until one does",
+            "patronictl show-config: make the members' REST APIs answer",
+        )
+        return
+    figures = (
+        f"at ttl {timing.ttl:g}/loop_wait {timing.loop_wait:g}/retry_timeout"
+        f" {timing.retry_timeout:g}"
+    )
+    window = max(timing.window(fence.margin), 0.0)
+    fits = fenced_check_interval(
+        timing, wanted=check_interval, timeout=fence.timeout, margin=fence.margin
+    )
+    if fits is None:
+        least = shortest_ttl(timing, timeout=fence.timeout, margin=fence.margin)
+        yield Finding(
+            "patroni window",
+            "fail",
+            f"window {window:g} s {figures}: too short to keep any lock confirmed between two"
+            f" checks (workers refuse to start); the least ttl that fits is {least:g}",
+            f"patronictl edit-config -s ttl={least:g}",
+        )
+    else:
+        yield Finding(
+            "patroni window",
+            "ok",
+            f"window {window:g} s {figures}: locks checked every {fits:.2g} s",
+        )
+
+
+def fence_checks(dsn: str, urls: tuple[str, ...], check_interval: float) -> Iterator[Finding]:
+    """The leader fence's checks (pglock_patroni_url set); replication is checked apart."""
+    fence = LeaderFence(urls)
+    yield from check_fence_urls(fence)
+    members = read_cluster(fence)
+    if members is None:
+        yield Finding(
+            "patroni members",
+            "fail",
+            "no member answered GET /cluster: the cluster's members are unknown",
+            "start the members' Patroni, or correct pglock_patroni_url",
+        )
+    else:
+        yield from check_fence_members(fence, members)
+        yield from check_fence_leader(dsn, members)
+    yield from check_fence_window(fence, check_interval)
+
+
 def read_settings(app: Celery | None = None) -> tuple[PglockConfig, ConfigurationError | None]:
     """The pglock settings of ``app`` (default: the current app), and what is invalid in them.
 
@@ -687,9 +858,12 @@ def run_checks(
     ``pooler``: the ``pglock_pooler`` setting ("session": ``dsn`` goes through a
     session-mode pooler, whose reset of server connections is tried out, unless the
     pooler turns out to be in transaction mode). ``app``: the Celery app whose settings
-    are checked (default: the current app; the PGLOCK_* variables in either case).
+    are checked (default: the current app; the PGLOCK_* variables in either case). With
+    ``pglock_patroni_url`` set, the leader fence is checked too (fence_checks).
     """
     prefix = PglockConfig().application_name
+    config, invalid = read_settings(app)
+    urls = config.patroni_url or ()
     findings: list[Finding] = []
     with _doctor_connect(dsn) as conn:
         # First: behind a transaction pooler the session checks would take a lock that
@@ -711,8 +885,10 @@ def run_checks(
             lambda: check_search_path(conn),
             lambda: check_guards(conn),
             lambda: check_guarded_children(conn),
-            lambda: check_settings(read_settings(app)[1]),
+            lambda: check_settings(invalid),
         ]
+        if config.patroni_url:
+            checks.append(lambda: fence_checks(dsn, urls, config.check_interval))
         for check in checks:
             findings.extend(check())
     return findings

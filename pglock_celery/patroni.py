@@ -126,6 +126,7 @@ __all__ = [
     "Timing",
     "parse_urls",
     "server_identity",
+    "shown",
 ]
 
 #: What a lock session runs once to learn its server's identity (see ServerIdentity).
@@ -198,6 +199,11 @@ def parse_urls(raw: Any) -> tuple[str, ...]:
         if url not in urls:
             urls.append(url)
     return tuple(urls)
+
+
+def shown(url: str) -> str:
+    """A member URL as messages show it: host and port only (never credentials)."""
+    return _shown(url)
 
 
 def _shown(url: str) -> str:
@@ -514,6 +520,11 @@ class LeaderFence:
             "to keep any lock confirmed between two checks: raise ttl to at least "
             f"{least:g} (patronictl edit-config -s ttl={least:g}), or lower loop_wait"
         )
+
+    def status(self, url: str, path: str) -> Answer:
+        """GET ``path`` of the member at ``url`` now, within ``timeout``, for a tool that
+        inspects the cluster (the doctor); the fence's own state is left as it is."""
+        return self._get(url + path)
 
     # -- internals ---------------------------------------------------------------------
 

@@ -759,7 +759,9 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         )
         if reaction == INTERRUPT and body is not None:
             body.interrupt(reason)
-        elif reaction == "terminate" and not lock.ended:
+        elif reaction == "terminate" and lock.found_at_release is None:
+            # Also when the body, woken by the loss (lock.sleep()), has ended meanwhile:
+            # the process ends as configured; a loss its release found has no body.
             logger.error(
                 "lock %s lost: ending worker process %d so that task %s[%s] stops",
                 lock.label,
