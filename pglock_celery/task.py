@@ -317,9 +317,9 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
                 return self._run_locked(lock, mode, config, args, kwargs, body)
             finally:
                 _this_call.reset(call_token)
-        except (LockLost, psycopg.Error) as exc:
+        except Exception as exc:
             loss = lock.loss
-            if loss is None:
+            if loss is None or not (isinstance(exc, LockLost) or _a_database_error(exc)):
                 raise
             # One text whoever found the loss (the monitor, the body, a transaction, the
             # release) and under every pool; the finder's own error is its cause.
@@ -353,11 +353,11 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             try:
                 with fence_orm(lock, config):
                     return super().__call__(*args, **kwargs)
-            except psycopg.Error:
+            except Exception as exc:
                 # A failed lock session is a lost lock, whatever the statement was (held()
                 # finds and reports the loss; __call__ then raises LockLost); an SQL error
                 # of the body on a live session is its own.
-                if lock.loss is None:
+                if lock.loss is None and _a_database_error(exc):
                     lock.held()
                 raise
             finally:
@@ -759,7 +759,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         )
         if reaction == INTERRUPT and body is not None:
             body.interrupt(reason)
-        elif reaction == "terminate" and lock.found_at_release is None:
+        elif reaction == "terminate" and loss is not lock.found_at_release:
             # Also when the body, woken by the loss (lock.sleep()), has ended meanwhile:
             # the process ends as configured; a loss its release found has no body.
             logger.error(
@@ -795,6 +795,11 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
 
 #: The argument a template field starts with: ``tenant`` in ``{tenant.id[0]!r:>8}``.
 _FIELD_ARGUMENT = re.compile(r"[^.\[]+")
+
+
+def _a_database_error(exc: BaseException) -> bool:
+    """A psycopg error, or one an ORM raised for it (Django's are caused by psycopg's)."""
+    return isinstance(exc, psycopg.Error) or isinstance(exc.__cause__, psycopg.Error)
 
 
 def _template_fields(template: str) -> list[str]:

@@ -260,6 +260,24 @@ def test_nothing_written_after_the_lock_is_lost_commits(
     assert committed == ([] if inside_atomic else ["before"])
 
 
+def test_a_read_through_a_server_side_cursor_cut_by_a_loss_ends_with_lock_lost(
+    worker: Worker, shop_app: Celery, pg_dsn: str, run_id: str, beacon: str
+) -> None:
+    """.iterator() inside atomic(), the lock's backend ended mid-read: Django's
+    OperationalError under it, the task ends with LockLost all the same."""
+    tenant = f"{run_id}-{worker.pool}"
+    call = send(shop_app, worker, "read_across_a_loss", tenant, beacon)
+    wait_until(
+        lambda: beacon_pid(pg_dsn, beacon, tenant) is not None, 30, "the body to reach its wait"
+    )
+    backend_pid = beacon_pid(pg_dsn, beacon, tenant)
+    assert backend_pid is not None and terminate(pg_dsn, backend_pid)
+    say_go(pg_dsn, beacon, tenant)
+    call.get(timeout=RESULT_TIMEOUT, propagate=False)
+    assert call.state == "FAILURE"
+    assert type(call.result).__name__ == "LockLost", repr(call.result)
+
+
 def test_the_guarded_table_refuses_the_same_orm_write_outside_a_task(
     project: dict[str, str], pg_dsn: str, run_id: str
 ) -> None:

@@ -163,3 +163,20 @@ def commit_by_sql(tenant: str) -> dict[str, str]:
 def call_another_tenants_step(tenant: str) -> dict[str, Any]:
     """Call another tenant's locked task directly from this body: its lock fences its writes."""
     return record(f"{tenant}-inner", "inner")
+
+
+@shared_task(base=TenantLockedTask, lock_name=LOCK)
+def read_across_a_loss(tenant: str, beacon: str) -> int:
+    """Read through a server-side cursor (.iterator()), its session ended mid-read."""
+    lock = current_lock()
+    assert lock is not None
+    for text in ("one", "two", "three"):
+        Note.objects.create(tenant=tenant, text=text)
+    read = 0
+    with psycopg.connect(dsn("default"), autocommit=True) as side:
+        with transaction.atomic():
+            for _note in Note.objects.filter(tenant=tenant).iterator(chunk_size=1):
+                read += 1
+                if read == 1:
+                    _signal_and_wait(side, beacon, tenant, lock.backend_pid)
+    return read
