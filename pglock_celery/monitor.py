@@ -168,23 +168,7 @@ class Hold:
         if not self.granted:
             return
         self.source.monitor.count_loss("while_held")
-        logger.error(
-            "lock %s lost by %s (task %s): %s",
-            self.label,
-            self.application_name,
-            self.task_id,
-            loss.detail,
-            extra={
-                "lock": self.label,
-                "key": self.key,
-                "task_id": self.task_id,
-                "holder": self.application_name,
-                "reason": loss.detail,
-                "loss": loss.kind.value,
-            },
-        )
-        if self.on_lost is not None:
-            self.on_lost(self, loss)
+        self._report(loss)
 
     def lost_at_release(self, loss: Loss) -> None:
         """Report a loss that the release found (the lock was gone before it), once.
@@ -197,11 +181,16 @@ class Hold:
             if self.lost is not None or not self.granted:
                 return
             self.lost = loss
+        self._report(loss, ", found at release")
+
+    def _report(self, loss: Loss, found: str = "") -> None:
+        """Log ``loss`` (``found``: where, when not while held) and tell the loss handler."""
         logger.error(
-            "lock %s lost by %s (task %s), found at release: %s",
+            "lock %s lost by %s (task %s)%s: %s",
             self.label,
             self.application_name,
             self.task_id,
+            found,
             loss.detail,
             extra={
                 "lock": self.label,

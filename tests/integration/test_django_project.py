@@ -160,6 +160,21 @@ def say_go(pg_dsn: str, beacon: str, tenant: str) -> None:
         )
 
 
+def fails_with_lock_lost_once_its_backend_ends(
+    pg_dsn: str, beacon: str, tenant: str, call: Any
+) -> None:
+    """Once the body signals, end its lock's backend, say go: the call fails with LockLost."""
+    wait_until(
+        lambda: beacon_pid(pg_dsn, beacon, tenant) is not None, 30, "the body to reach its wait"
+    )
+    backend_pid = beacon_pid(pg_dsn, beacon, tenant)
+    assert backend_pid is not None and terminate(pg_dsn, backend_pid)
+    say_go(pg_dsn, beacon, tenant)
+    call.get(timeout=RESULT_TIMEOUT, propagate=False)
+    assert call.state == "FAILURE"
+    assert type(call.result).__name__ == "LockLost", repr(call.result)
+
+
 def test_a_locked_tasks_orm_writes_commit_on_the_lock_session(
     worker: Worker, shop_app: Celery, pg_dsn: str, run_id: str
 ) -> None:
@@ -247,15 +262,7 @@ def test_nothing_written_after_the_lock_is_lost_commits(
     """
     tenant = f"{run_id}-{worker.pool}"
     call = send(shop_app, worker, "record_across_a_loss", tenant, beacon, inside_atomic)
-    wait_until(
-        lambda: beacon_pid(pg_dsn, beacon, tenant) is not None, 30, "the body to reach its wait"
-    )
-    backend_pid = beacon_pid(pg_dsn, beacon, tenant)
-    assert backend_pid is not None and terminate(pg_dsn, backend_pid)
-    say_go(pg_dsn, beacon, tenant)
-    call.get(timeout=RESULT_TIMEOUT, propagate=False)
-    assert call.state == "FAILURE"
-    assert type(call.result).__name__ == "LockLost", repr(call.result)
+    fails_with_lock_lost_once_its_backend_ends(pg_dsn, beacon, tenant, call)
     committed = [entry for entry, _backend in ledger(pg_dsn, tenant)]
     assert committed == ([] if inside_atomic else ["before"])
 
@@ -267,15 +274,7 @@ def test_a_read_through_a_server_side_cursor_cut_by_a_loss_ends_with_lock_lost(
     OperationalError under it, the task ends with LockLost all the same."""
     tenant = f"{run_id}-{worker.pool}"
     call = send(shop_app, worker, "read_across_a_loss", tenant, beacon)
-    wait_until(
-        lambda: beacon_pid(pg_dsn, beacon, tenant) is not None, 30, "the body to reach its wait"
-    )
-    backend_pid = beacon_pid(pg_dsn, beacon, tenant)
-    assert backend_pid is not None and terminate(pg_dsn, backend_pid)
-    say_go(pg_dsn, beacon, tenant)
-    call.get(timeout=RESULT_TIMEOUT, propagate=False)
-    assert call.state == "FAILURE"
-    assert type(call.result).__name__ == "LockLost", repr(call.result)
+    fails_with_lock_lost_once_its_backend_ends(pg_dsn, beacon, tenant, call)
 
 
 def test_the_guarded_table_refuses_the_same_orm_write_outside_a_task(

@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,51 +14,19 @@ from celery import Celery
 from pglock_celery import LockLost, try_lock
 from tests.apps import core
 from tests.support import browser
+from tests.support.flower import auth_header, fetch, running_flower
 from tests.support.history import read_history
 from tests.support.locks import terminate
-from tests.support.services import free_port, wait_until
+from tests.support.services import wait_until
 from tests.support.workers import ROOT, Worker
 
 SUFFIX = "-flower"
 
 
-AUTH = "ops:flower-test-pw"
-
-
-def fetch(url: str) -> Any:
-    token = base64.b64encode(AUTH.encode()).decode()
-    request = urllib.request.Request(url, headers={"Authorization": f"Basic {token}"})
-    with urllib.request.urlopen(request, timeout=5) as response:
-        body = response.read().decode()
-    return json.loads(body) if response.headers.get_content_type() == "application/json" else body
-
-
 @pytest.fixture(scope="module")
 def flower(worker_env: dict[str, str], log_dir: Path) -> Iterator[str]:
-    port = free_port()
-    log = (log_dir / "flower.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "tests.apps.core", "flower",
-         f"--port={port}", "--address=127.0.0.1"],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "FLOWER_BASIC_AUTH": AUTH, **worker_env},
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-
-    def answers() -> bool:
-        try:
-            return fetch(f"{url}/healthcheck") == "OK"
-        except OSError:
-            return False
-
-    try:
-        wait_until(answers, 30, "Flower")
+    with running_flower(worker_env, log_dir / "flower.log") as url:
         yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(15)
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -182,10 +144,9 @@ def test_flowers_tasks_page_in_chromium_shows_the_skip_and_the_lost_lock(
     browser = chromium()
     try:
         # Flower asks for basic auth; the header goes with the page and its XHR calls.
-        token = base64.b64encode(AUTH.encode()).decode()
         browser.execute_cdp_cmd("Network.enable", {})
         browser.execute_cdp_cmd(
-            "Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Basic {token}"}}
+            "Network.setExtraHTTPHeaders", {"headers": {"Authorization": auth_header()}}
         )
 
         def rows() -> dict[str, str] | None:

@@ -11,18 +11,10 @@ pools; and a real Flower counts exactly one ``task-lock-lost`` event per failure
 
 from __future__ import annotations
 
-import base64
-import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
@@ -30,12 +22,12 @@ from celery import Celery
 
 from pglock_celery import LOCK_LOST_EVENT, LockLost
 from tests.apps import losses
+from tests.support.flower import fetch, running_flower
 from tests.support.history import read_history
 from tests.support.locks import terminate
-from tests.support.services import free_port, wait_until
-from tests.support.workers import ROOT, Worker
+from tests.support.services import wait_until
+from tests.support.workers import Worker
 
-AUTH = "ops:loss-reports-pw"
 POOLS = ("prefork", "threads")
 FINDERS = ("monitor", "held", "transaction", "proof", "release")
 #: The check interval of the workers whose monitor finds the loss, and of the others
@@ -45,40 +37,10 @@ WATCHING, NOT_WATCHING = 0.5, 600.0
 ADVICE = "What to do:"
 
 
-def fetch(url: str) -> Any:
-    token = base64.b64encode(AUTH.encode()).decode()
-    request = urllib.request.Request(url, headers={"Authorization": f"Basic {token}"})
-    with urllib.request.urlopen(request, timeout=5) as response:
-        body = response.read().decode()
-    return json.loads(body) if response.headers.get_content_type() == "application/json" else body
-
-
 @pytest.fixture(scope="module")
 def flower(worker_env: dict[str, str], log_dir: Path) -> Iterator[str]:
-    port = free_port()
-    log = (log_dir / "flower-loss-reports.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "tests.apps.core", "flower",
-         f"--port={port}", "--address=127.0.0.1"],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "FLOWER_BASIC_AUTH": AUTH, **worker_env},
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-
-    def answers() -> bool:
-        try:
-            return fetch(f"{url}/healthcheck") == "OK"
-        except OSError:
-            return False
-
-    try:
-        wait_until(answers, 30, "Flower")
+    with running_flower(worker_env, log_dir / "flower-loss-reports.log") as url:
         yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(15)
-        log.close()
 
 
 @pytest.fixture(scope="module")
