@@ -39,7 +39,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from .dsn import dsn_problem
 from .exceptions import ConfigurationError
-from .patroni import parse_urls
+from .leader import parse_setting as parse_leader_setting
 
 _CACHE_ATTRIBUTE = "_pglock_config"
 
@@ -205,7 +205,7 @@ def _whole(raw: Any) -> int:
 def _patroni_url(raw: Any) -> tuple[str, ...] | None:
     if raw in (None, ""):
         return None
-    return parse_urls(raw)
+    return parse_leader_setting("patroni_url", raw)
 
 
 def _dsn(raw: Any) -> str | None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from urllib.parse import quote, unquote
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 #: How a DSN that does not parse cleanly is shown.
 MALFORMED = "<malformed DSN>"
@@ -170,6 +170,41 @@ def describe_target(dsn: str) -> str:
     target = f"{where}/{dbname}" if dbname else where
     user = params.get("user")
     return f"{target} as {user}" if user else target
+
+
+def without_server(dsn: str, host: str, port: int) -> str | None:
+    """``dsn`` without the server of its host list that ``host`` and ``port`` name (as
+    libpq reports a connection's), its other servers in their order.
+
+    None when it names no other server, or when its list cannot be narrowed: it does
+    not parse cleanly, or its hosts or ports come from the environment.
+    """
+    parsed = parse_dsn(dsn)
+    if parsed.problem is not None:
+        return None
+    params = dict(parsed.params)
+    hosts = params["host"].split(",") if params.get("host") else []
+    addresses = params["hostaddr"].split(",") if params.get("hostaddr") else []
+    count = max(len(hosts), len(addresses))
+    ports = (params.get("port") or "").split(",")
+    ports = ports * count if len(ports) == 1 else ports
+    if count < 2 or len(ports) != count or (hosts and addresses and len(hosts) != count):
+        return None
+
+    def server(at: int) -> tuple[str, str]:
+        name = hosts[at] if hosts and hosts[at] else (addresses[at] if addresses else "")
+        return name, ports[at] or "5432"
+
+    keep = [at for at in range(count) if server(at) != (host, str(port))]
+    if not keep or len(keep) == count:
+        return None
+    if hosts:
+        params["host"] = ",".join(hosts[at] for at in keep)
+    if addresses:
+        params["hostaddr"] = ",".join(addresses[at] for at in keep)
+    if params.get("port"):
+        params["port"] = ",".join(ports[at] for at in keep)
+    return make_conninfo(**params)
 
 
 def redact(text: str, dsn: str | None) -> str:

@@ -1,4 +1,4 @@
-"""Whether a lock session's server leads its Patroni cluster, and until when to trust it.
+"""Patroni as the leader source (leader.py): whether a server leads, and until when to trust it.
 
 A session advisory lock lives on one Postgres server. After a failover the new primary
 knows nothing of it, and an old primary that still runs (its Patroni killed, paused or
@@ -103,34 +103,32 @@ import concurrent.futures
 import dataclasses
 import datetime
 import email.utils
-import enum
 import json
 import math
+import os
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
-from . import sql
+from .leader import Confirmation, ServerIdentity, Standing, server_identity
 
 __all__ = [
-    "IDENTITY_QUERY",
-    "Confirmation",
     "LeaderFence",
-    "ServerIdentity",
+    "MemberClient",
     "Timing",
+    "fenced_check_interval",
     "parse_urls",
-    "server_identity",
+    "shortest_ttl",
     "shown",
 ]
 
-#: What a lock session runs once to learn its server's identity (see ServerIdentity).
-IDENTITY_QUERY = sql.SERVER_IDENTITY
+T = TypeVar("T")
 
 #: Patroni's defaults for the dynamic configuration keys the window depends on.
 PATRONI_DEFAULTS = {"ttl": 30.0, "loop_wait": 10.0, "retry_timeout": 10.0}
@@ -212,64 +210,6 @@ def _shown(url: str) -> str:
     host = parts.hostname or "?"
     host = f"[{host}]" if ":" in host else host
     return f"{host}:{parts.port}" if parts.port else host
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerIdentity:
-    """The Postgres server a lock session is on.
-
-    ``started_at`` (``pg_postmaster_start_time()``) is what matches it to a Patroni
-    member: every status answer reports it, it differs between members, and a restarted
-    server gets a new one, so a session of a former postmaster never matches. ``host``
-    and ``port`` (as libpq reports them) only name it in messages.
-    """
-
-    host: str
-    port: int
-    started_at: datetime.datetime
-
-
-def server_identity(conn: psycopg.Connection[Any]) -> ServerIdentity:
-    """Ask ``conn``'s server who it is (one statement: IDENTITY_QUERY).
-
-    Run it when the session is opened, outside any transaction of the caller's.
-    """
-    row = conn.execute(IDENTITY_QUERY).fetchone()
-    if row is None or not isinstance(row[0], datetime.datetime):
-        raise psycopg.DataError("pg_postmaster_start_time() returned no timestamp")
-    return ServerIdentity(conn.info.host, int(conn.info.port), row[0])
-
-
-class Standing(enum.Enum):
-    """What a member's answer says of a server (what the fence decides on)."""
-
-    LEADER = "leader"
-    #: Patroni says another member leads, or the server is not a running primary.
-    NOT_LEADER = "not the leader"
-    #: No answer that settles it (no reply, an expired view of the DCS, failsafe).
-    CANNOT_TELL = "cannot tell"
-    #: The member asked runs another postmaster: ask the one that runs it.
-    ELSEWHERE = "another server"
-
-
-@dataclasses.dataclass(frozen=True)
-class Confirmation:
-    """The fence's answer: leader until ``until`` (time.monotonic()), or not and why.
-
-    ``standing`` is what the fence and the lock act on; ``reason`` is for people,
-    naming the member by host and port.
-    """
-
-    leader: bool
-    until: float
-    reason: str = ""
-    member: str | None = None
-    standing: Standing = Standing.CANNOT_TELL
-
-    def valid(self, now: float | None = None, *, for_at_least: float = 0.0) -> bool:
-        """True while it confirms leadership for ``for_at_least`` more seconds."""
-        now = time.monotonic() if now is None else now
-        return self.leader and now + for_at_least < self.until
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,22 +345,97 @@ def judge(
     return Confirmation(True, sent_at + window, "", _name(body), Standing.LEADER)
 
 
-class LeaderFence:
-    """Confirms that a lock session's server is its Patroni cluster's leader.
+class MemberClient:
+    """The fence's one HTTP client for a cluster's members: each GET bounded by ``timeout``.
 
-    Built from ``pglock_patroni_url``; one per process and setting value, shared by
-    threads. :meth:`confirm` reuses a confirmation while it stays valid for the time
-    asked, else asks the member that runs the server (``GET /leader``, and ``GET
-    /config`` when the timing is older than ``config_max_age``), all members when it
-    does not know which one. A member that let a request time out is not asked again
-    for ``silent_for`` seconds: what would be asked of it meanwhile is refused at once
-    (a refusal, never a confirmation), so a paused member costs one timeout, not one
-    per lock taken.
+    One opener (no proxy: one from the environment could answer for a member that is
+    gone) and one pool of threads, as many as members, to ask them all at once; made
+    again in a forked child, whose copy of the pool has no threads. A member that let a
+    request time out is not asked again for ``silent_for`` seconds: what would be asked
+    of it meanwhile fails at once, so a paused member costs one timeout, not one per lock.
     """
 
     def __init__(
+        self, urls: Sequence[str], *, timeout: float, silent_for: float, clock: Callable[[], float]
+    ) -> None:
+        self.urls = tuple(urls)
+        self.timeout = timeout
+        self.silent_for = silent_for
+        self._clock = clock
+        self._guard = threading.Lock()
+        #: member URL -> until when it is not asked (it let a request time out).
+        self._silent: dict[str, float] = {}
+        self._pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def each(self, ask: Callable[[str], T]) -> list[T]:
+        """``ask(url)`` for every member at once, in the members' order."""
+        if len(self.urls) == 1:
+            return [ask(self.urls[0])]
+        with self._guard:
+            if self._pool is None or self._pool[0] != os.getpid():
+                pool = concurrent.futures.ThreadPoolExecutor(
+                    len(self.urls), thread_name_prefix="pglock-patroni"
+                )
+                self._pool = (os.getpid(), pool)
+            pool = self._pool[1]
+        return list(pool.map(ask, self.urls))
+
+    def request(self, member: str, path: str) -> Answer:
+        """GET ``path`` of ``member``, unless it let a request time out a moment ago."""
+        with self._guard:
+            silent_until = self._silent.get(member, 0.0)
+        if self._clock() < silent_until:
+            return Answer(0, None, None, "timed out a moment ago (not asked again yet)")
+        answer = self.get(member + path)
+        with self._guard:
+            if answer.timed_out:
+                self._silent[member] = self._clock() + self.silent_for
+            else:
+                self._silent.pop(member, None)
+        return answer
+
+    def get(self, url: str) -> Answer:
+        """GET ``url`` now, within ``timeout`` per socket operation."""
+        try:
+            with self._opener.open(url, timeout=self.timeout) as response:
+                status, headers, raw = response.status, response.headers, response.read()
+        except urllib.error.HTTPError as exc:
+            status, headers = exc.code, exc.headers
+            try:
+                raw = exc.read()
+            except OSError:
+                raw = b""
+        except (OSError, ValueError) as exc:
+            return Answer(0, None, None, _describe(exc), timed_out=_is_timeout(exc))
+        date: float | None = None
+        if headers is not None and headers.get("Date"):
+            try:
+                date = email.utils.parsedate_to_datetime(headers["Date"]).timestamp()
+            except (TypeError, ValueError):
+                date = None
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = None
+        return Answer(status, date, body)
+
+
+class LeaderFence:
+    """Patroni as a leader source (leader.LeaderSource): is a server its cluster's leader?
+
+    Built from ``pglock_patroni_url``; one per source (a configuration), shared by
+    threads. :meth:`confirm` reuses a confirmation while it stays valid for the time
+    asked, else asks the member that runs the server (``GET /leader``, and ``GET
+    /config`` when the timing is older than ``config_max_age``), all members when it
+    does not know which one, through its one client (MemberClient).
+    """
+
+    name = "the Patroni cluster"
+
+    def __init__(
         self,
-        urls: Sequence[str],
+        urls: str | Sequence[str],
         *,
         timeout: float = 1.0,
         margin: float = 2.0,
@@ -428,27 +443,37 @@ class LeaderFence:
         silent_for: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.urls = parse_urls(list(urls))
+        self.urls = parse_urls(urls if isinstance(urls, str) else list(urls))
         self.timeout = timeout
         self.margin = margin
         self.config_max_age = config_max_age
-        self.silent_for = silent_for
         self._clock = clock
+        self._client = MemberClient(self.urls, timeout=timeout, silent_for=silent_for, clock=clock)
         self._guard = threading.Lock()
         self._timing: tuple[float, Timing] | None = None
         self._scopes: set[str] = set()
         #: postmaster start time -> the member URL that runs it, as last seen.
         self._where: dict[datetime.datetime, str] = {}
         self._last: dict[datetime.datetime, Confirmation] = {}
-        #: member URL -> until when it is not asked (it let a request time out).
-        self._silent: dict[str, float] = {}
-        # No proxy: the members are reached directly (a proxy from the environment
-        # could answer for a member that is gone).
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     @classmethod
     def from_setting(cls, value: str | Sequence[str]) -> LeaderFence:
         return cls(parse_urls(value))
+
+    @staticmethod
+    def parse_setting(raw: Any) -> tuple[str, ...]:
+        """``pglock_patroni_url``'s value: the members' URLs (parse_urls)."""
+        return parse_urls(raw)
+
+    @property
+    def longest_ask(self) -> float:
+        """The most one confirm() takes: GET /config, GET /leader, and a search."""
+        return 3 * self.timeout
+
+    def identify(self, conn: psycopg.Connection[Any]) -> ServerIdentity:
+        """The server ``conn`` is on, by its postmaster's start time (what every member's
+        status reports)."""
+        return server_identity(conn)
 
     def confirm(self, server: ServerIdentity, *, fresh_for: float = 0.0) -> Confirmation:
         """Is ``server`` the leader? Reuses the last answer while valid for ``fresh_for`` s.
@@ -524,7 +549,7 @@ class LeaderFence:
     def status(self, url: str, path: str) -> Answer:
         """GET ``path`` of the member at ``url`` now, within ``timeout``, for a tool that
         inspects the cluster (the doctor); the fence's own state is left as it is."""
-        return self._get(url + path)
+        return self._client.get(url + path)
 
     # -- internals ---------------------------------------------------------------------
 
@@ -540,8 +565,7 @@ class LeaderFence:
 
     def _search(self, server: ServerIdentity, timing: Timing) -> Confirmation:
         """Ask every member at once; the one running ``server``'s postmaster decides."""
-        with concurrent.futures.ThreadPoolExecutor(len(self.urls)) as pool:
-            verdicts = list(pool.map(lambda url: self._ask(url, server, timing), self.urls))
+        verdicts = self._client.each(lambda url: self._ask(url, server, timing))
         for url, verdict in zip(self.urls, verdicts, strict=True):
             if verdict.standing in (Standing.LEADER, Standing.NOT_LEADER):
                 return self._keep(server, url, verdict)
@@ -555,7 +579,7 @@ class LeaderFence:
 
     def _ask(self, url: str, server: ServerIdentity, timing: Timing) -> Confirmation:
         sent_at = self._clock()
-        answer = self._request(url, "/leader")
+        answer = self._client.request(url, "/leader")
         verdict = judge(answer, server, sent_at, timing, self.margin, _shown(url))
         scope = _scope(answer.body)
         with self._guard:
@@ -578,7 +602,7 @@ class LeaderFence:
             return cached[1]
         problems: list[str] = []
         for candidate in [url] if url else list(self.urls):
-            answer = self._request(candidate, "/config")
+            answer = self._client.request(candidate, "/config")
             if answer.status == 200:
                 try:
                     timing = Timing.from_config(answer.body)
@@ -597,44 +621,6 @@ class LeaderFence:
             "cannot tell: Patroni's dynamic configuration (GET /config) could not be read: "
             + "; ".join(problems),
         )  # fmt: skip
-
-    def _request(self, member: str, path: str) -> Answer:
-        """GET ``path`` of ``member``, unless it let a request time out a moment ago."""
-        with self._guard:
-            silent_until = self._silent.get(member, 0.0)
-        if self._clock() < silent_until:
-            return Answer(0, None, None, "timed out a moment ago (not asked again yet)")
-        answer = self._get(member + path)
-        with self._guard:
-            if answer.timed_out:
-                self._silent[member] = self._clock() + self.silent_for
-            else:
-                self._silent.pop(member, None)
-        return answer
-
-    def _get(self, url: str) -> Answer:
-        try:
-            with self._opener.open(url, timeout=self.timeout) as response:
-                status, headers, raw = response.status, response.headers, response.read()
-        except urllib.error.HTTPError as exc:
-            status, headers = exc.code, exc.headers
-            try:
-                raw = exc.read()
-            except OSError:
-                raw = b""
-        except (OSError, ValueError) as exc:
-            return Answer(0, None, None, _describe(exc), timed_out=_is_timeout(exc))
-        date: float | None = None
-        if headers is not None and headers.get("Date"):
-            try:
-                date = email.utils.parsedate_to_datetime(headers["Date"]).timestamp()
-            except (TypeError, ValueError):
-                date = None
-        try:
-            body = json.loads(raw) if raw else None
-        except ValueError:
-            body = None
-        return Answer(status, date, body)
 
 
 def _cause(exc: BaseException) -> BaseException:

@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import psycopg
@@ -54,7 +54,7 @@ from .handles import (
     finish_interrupted,
     green_wait,
 )
-from .patroni import ServerIdentity, server_identity
+from .leader import ServerIdentity
 
 #: Postgres truncates application_name to NAMEDATALEN - 1 bytes.
 APPLICATION_NAME_MAX_BYTES = 63
@@ -256,10 +256,16 @@ def open_bound(config: PglockConfig) -> float:
     return _addresses(config.require_dsn()) * per_address + 2 * deadline
 
 
-def open_session(config: PglockConfig, app_name: str) -> LockSession:
+def open_session(
+    config: PglockConfig,
+    app_name: str,
+    identify: Callable[[psycopg.Connection[Any]], ServerIdentity] | None = None,
+) -> LockSession:
     """Open a dedicated lock session and prove it, or raise LockUnavailable saying why.
 
-    Call it inside the registry's ``opening()`` (sources/): a fork meanwhile waits.
+    With ``identify`` (a leader source's), the session learns which server it is on
+    (``session.identity``) before it is used. Call it inside the registry's
+    ``opening()`` (sources/): a fork meanwhile waits.
     """
     token = secrets.token_hex(8)
     kwargs = connect_kwargs(config, app_name, token)
@@ -277,7 +283,7 @@ def open_session(config: PglockConfig, app_name: str) -> LockSession:
     conn.statement_deadline = max(STATEMENT_DEADLINE, config.tcp_user_timeout)
     try:
         backend_pid, pooled, started = _verify_session(conn, config, token)
-        identity = server_identity(conn) if config.patroni_url else None
+        identity = identify(conn) if identify is not None else None
     except psycopg.Error as exc:
         conn.close()
         reason = " ".join(str(exc).split())
@@ -402,7 +408,7 @@ class LockSession:
         #: Seconds the library waits for the answer to one of its statements
         #: (open_session makes it the config's: tcp_user_timeout when longer).
         self.statement_deadline = STATEMENT_DEADLINE
-        #: The server the session is on, for the Patroni fence (when configured).
+        #: The server the session is on, for the leader source (when configured).
         self.identity: ServerIdentity | None = None
         #: When the session was opened (time.time(), just before its backend started).
         self.opened_at = time.time()

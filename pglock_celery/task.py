@@ -38,6 +38,7 @@ from .exceptions import (
 )
 from .inspect import database_identity
 from .keys import check_lock_name, check_timeout
+from .leader import leader_source
 from .lock import AdvisoryLock, _current, current_lock
 from .loss import Loss
 from .monitor import Body, Hold
@@ -160,10 +161,9 @@ def configuration_problems(app: Celery) -> list[str]:
             problems.append(str(exc))
     for task in locked:
         problems.extend(task.configuration_problems())
-    if locked and config is not None and config.patroni_url and not problems:
-        from .patroni import LeaderFence  # the cluster is asked only with a fence
-
-        fenced = LeaderFence.from_setting(config.patroni_url).problem(config.check_interval)
+    leader = leader_source(config) if locked and config is not None and not problems else None
+    if leader is not None and config is not None:
+        fenced = leader.problem(config.check_interval)
         if fenced is not None:
             problems.append(fenced)
     return problems

@@ -14,14 +14,15 @@ from psycopg import pq
 
 from .. import sql
 from ..config import PglockConfig
-from ..exceptions import LockLost
+from ..dsn import describe_target, without_server
+from ..exceptions import LockLost, LockUnavailable
 from ..handles import SessionConnection, StatementDeadline
 from ..inspect import Holder, holder_on
+from ..leader import LeaderSource, Standing, leader_source
 from ..loss import Loss, LossKind, lock_gone, session_ended
 from ..monitor import Hold, Monitor, one_line
-from ..patroni import LeaderFence, Standing
 from ..probe import Probe, server_of
-from ..session import LockSession
+from ..session import LockSession, open_session
 from ..shield import library_code
 
 
@@ -50,13 +51,14 @@ def fenced_transaction(
     the commit (LockLost). Nested (in another lock.transaction(), or in a
     transaction the body began itself) it is a savepoint, proven all the same.
     The transaction's own statements are bounded by the statement deadline, the
-    body's are not. A failure of the session itself is a lost lock (LockLost,
-    its cause chained).
+    body's are not: a COMMIT that waits longer (for synchronous replication, say)
+    ends in LockLost saying that whether it committed is unknown. A failure of the
+    session itself is a lost lock (LockLost, its cause chained).
     """
     session = hold.session
     assert session is not None
     deadline = session.statement_deadline
-    proven = False
+    proven = committing = False
     try:
         if handle.pgconn.transaction_status != pq.TransactionStatus.IDLE:
             # Nested (in an outer lock.transaction() or the body's own): a savepoint, the
@@ -86,11 +88,19 @@ def fenced_transaction(
                             handle.execute(sql.RESTORE_AFTER_TRANSACTION, (hold.key,))
                 with library_code():
                     before_commit()
+                committing = True  # the COMMIT is sent as the block ends
     except StatementDeadline as exc:
-        loss = hold.lost or Loss(
-            LossKind.CANNOT_TELL,
-            f"the server did not answer the lock transaction's own statement: {one_line(exc)}",
-        )
+        if committing:
+            loss = hold.lost or Loss(
+                LossKind.CANNOT_TELL,
+                f"the server did not answer the COMMIT within {deadline:g} s (waiting for "
+                "synchronous replication?): whether the transaction committed is unknown",
+            )
+        else:
+            loss = hold.lost or Loss(
+                LossKind.CANNOT_TELL,
+                f"the server did not answer the lock transaction's own statement: {one_line(exc)}",
+            )
         hold.mark_lost(loss)
         raise LockLost(f"lock {hold.label} was lost: {loss}") from exc
     except psycopg.Error as exc:
@@ -142,15 +152,16 @@ class Source(abc.ABC):
         self._sessions: set[LockSession] = set()
         #: The server's view of busy sessions, one probe per server (probe.py).
         self._probes: dict[tuple[str, int], Probe] = {}
-        #: With pglock_patroni_url: a lock is valid only while its server is confirmed
-        #: as the cluster's leader (patroni.py), confirmed afresh before each check
-        #: when the last confirmation would not outlast the next one.
-        self.fence = LeaderFence.from_setting(config.patroni_url) if config.patroni_url else None
+        #: With a leader source (leader.py): a session takes a lock only on a server
+        #: confirmed as the cluster's leader, and a lock is valid only while it stays
+        #: confirmed, afresh before each check when the last confirmation would not
+        #: outlast the next one.
+        self.fence: LeaderSource | None = leader_source(config)
 
     def check_interval(self, hold: Hold) -> float:
         """Seconds between checks of ``hold``: pglock_check_interval, or less under the
         fence when the cluster's timing needs it, so that every check finds a
-        confirmation that outlasts the next one (patroni.fenced_check_interval)."""
+        confirmation that outlasts the next one."""
         wanted = hold.config.check_interval
         return wanted if self.fence is None else self.fence.check_interval(wanted)
 
@@ -159,7 +170,7 @@ class Source(abc.ABC):
         intervals, as the cluster's timing sets them) and the time to ask then."""
         assert self.fence is not None
         interval = self.fence.check_interval(self.config.check_interval)
-        return 1.25 * interval + 3 * self.fence.timeout
+        return 1.25 * interval + self.fence.longest_ask
 
     def leader_problem(self, session: LockSession | None) -> Loss | None:
         """Why ``session``'s server is not (or cannot be told to be) the leader, or None.
@@ -172,7 +183,7 @@ class Source(abc.ABC):
         if session.identity is None:
             return Loss(
                 LossKind.CANNOT_TELL,
-                "its server's identity is unknown: the Patroni leader cannot be confirmed",
+                f"its server's identity is unknown: {self.fence.name}'s leader cannot be confirmed",
             )
         verdict = self.fence.confirm(session.identity, fresh_for=self._fresh_for())
         # Asked again once the answer is in: the first one reads the cluster's timing.
@@ -183,7 +194,8 @@ class Source(abc.ABC):
             return Loss(
                 LossKind.CANNOT_TELL,
                 "its server leads, but a confirmation is trusted for less than a check "
-                f"interval and the time to ask ({fresh_for:g} s): raise Patroni's ttl",
+                f"interval and the time to ask ({fresh_for:g} s): the cluster's timing "
+                "leaves too short a window (pglock-celery doctor says what to change)",
             )
         kind = (
             LossKind.NOT_LEADER
@@ -191,8 +203,37 @@ class Source(abc.ABC):
             else (LossKind.CANNOT_TELL)
         )
         return Loss(
-            kind, f"its server is not confirmed as the Patroni cluster's leader: {verdict.reason}"
+            kind, f"its server is not confirmed as {self.fence.name}'s leader: {verdict.reason}"
         )
+
+    def open_on_leader(self, app_name: str) -> LockSession:
+        """Open a session, on the cluster's leader when a leader source is configured.
+
+        Fence first: a session whose server is not confirmed as the leader takes no
+        lock. It is closed, and the DSN's next hosts are tried in their order (libpq
+        picks the first that accepts, so a deposed or rogue primary early in the list
+        would otherwise keep every lock from the leader behind it); LockUnavailable,
+        with each server's reason, when none is confirmed. Call it inside the
+        registry's ``opening()``.
+        """
+        if self.fence is None:
+            return open_session(self.config, app_name)
+        config, refused = self.config, []
+        while True:
+            session = open_session(config, app_name, self.fence.identify)
+            loss = self.leader_problem(session)
+            if loss is None:
+                return session
+            host, port = session.conn.info.host, session.conn.info.port
+            session.close()
+            refused.append(f"{host}:{port}: {loss}")
+            rest = without_server(config.require_dsn(), host, port)
+            if rest is None:
+                raise LockUnavailable(
+                    f"no server of {describe_target(self.config.require_dsn())} is confirmed "
+                    f"as {self.fence.name}'s leader, so no lock is taken: " + "; ".join(refused)
+                )
+            config = config.with_dsn(rest)
 
     @abc.abstractmethod
     def acquire(self, hold: Hold, *, wait: bool, timeout: float | None) -> bool:

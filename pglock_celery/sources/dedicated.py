@@ -28,7 +28,7 @@ from ..config import PglockConfig
 from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
 from ..loss import Loss, LossKind, lock_gone, session_ended
 from ..monitor import Hold, one_line
-from ..session import LockSession, idle_name, open_session, stamped
+from ..session import LockSession, idle_name, stamped
 from .base import REUSE, Registry, Source, fenced_transaction
 
 
@@ -50,10 +50,15 @@ class DedicatedSource(Source):
         restart, a DBA): when the try fails on such a session, it held nothing, and
         the try goes to a new session (no socket peek first: the try is the proof,
         and costs nothing more). Once a wait has started, its failure is the
-        caller's (LockUnavailable).
+        caller's (LockUnavailable). Under a leader source, a session takes nothing on
+        a server not confirmed as the leader: an idle one is closed, a new one goes on
+        to the DSN's next hosts (Source.open_on_leader).
         """
         with self._mutex:
             session = self._idle.pop() if self._idle else None
+        if session is not None and self.leader_problem(session) is not None:
+            self._discard(session)  # fence first: an idle session off the leader takes nothing
+            session = None
         fresh = session is None
         if session is None:
             session = self._open(hold)
@@ -84,7 +89,7 @@ class DedicatedSource(Source):
         # Under reuse a session outlives its holder: it starts under the idle name.
         name = self._idle_name if self.reuse else hold.application_name
         with self.registry.opening(self.config):
-            session = open_session(self.config, name)
+            session = self.open_on_leader(name)
             self._register(session)
         return session
 

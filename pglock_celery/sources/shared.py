@@ -34,7 +34,7 @@ from ..config import PglockConfig
 from ..exceptions import LockLost, LockTimeout, LockUnavailable, PglockError
 from ..loss import Loss, lock_gone, session_ended
 from ..monitor import Hold, one_line
-from ..session import LockSession, application_name, open_session
+from ..session import LockSession, application_name
 from .base import Registry, Source
 
 #: Longest pause between two tries of a waiting shared lock, in seconds.
@@ -123,14 +123,18 @@ class SharedSource(Source):
                     self._ready.wait()
             if session is None:
                 return self._open()
-            if self._holds.get(session) or session.alive():
+            if not self._holds.get(session) and not session.alive():
+                self._fail(session, session_ended("the idle lock session was ended by the server"))
+                continue
+            loss = self.leader_problem(session)  # fence first: no try on an unconfirmed server
+            if loss is None:
                 return session
-            self._fail(session, session_ended("the idle lock session was ended by the server"))
+            self._fail(session, loss)
 
     def _open(self) -> LockSession:
         try:
             with self.registry.opening(self.config):
-                session = open_session(self.config, self._name)
+                session = self.open_on_leader(self._name)
                 self._register(session)
         except BaseException:
             with self._ready:

@@ -12,14 +12,16 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from pglock_celery import LockLost, TenantLockedTask
+from pglock_celery import LockLost, LockUnavailable, TenantLockedTask, lock_key
+from pglock_celery.leader import ServerIdentity, server_identity
 from pglock_celery.loss import LossKind
-from pglock_celery.patroni import LeaderFence, ServerIdentity, server_identity
+from pglock_celery.patroni import LeaderFence
 from pglock_celery.task import configuration_problems
-from tests.support.locks import DEDICATED, eager_app, lock
+from tests.support.locks import DEDICATED, STRATEGIES, eager_app, lock
 from tests.support.patroni import Member, PatroniCluster
-from tests.support.services import wait_until
+from tests.support.services import EmbeddedPostgres, wait_until
 
 
 def identity(member: Member) -> ServerIdentity:
@@ -317,3 +319,67 @@ def test_after_a_switchover_the_old_leader_is_refused_and_the_new_one_confirmed(
         assert "cannot tell" in refused.reason, refused.reason
     patroni.wait_healthy(60)
     assert not fence.confirm(identity(old)).leader
+
+
+@pytest.fixture(scope="module")
+def outsider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedPostgres]:
+    """A read-write Postgres that no member of the cluster runs (what a rogue or deposed
+    primary is to the fence), logging every statement it is sent."""
+    server = EmbeddedPostgres(tmp_path_factory.mktemp("outsider"))
+    server.init("log_statement = 'all'")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+def first_in_line(outsider: EmbeddedPostgres, cluster: PatroniCluster) -> str:
+    """The cluster's multi-host DSN with ``outsider`` first in its host list."""
+    params = conninfo_to_dict(cluster.dsn())
+    hosts = ["127.0.0.1", *str(params["host"]).split(",")]
+    ports = [str(outsider.port), *str(params["port"]).split(",")]
+    return make_conninfo(**{**params, "host": ",".join(hosts), "port": ",".join(ports)})
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_lock_is_never_tried_on_a_server_not_confirmed_as_leader_and_goes_on_to_the_leader(
+    patroni: PatroniCluster, outsider: EmbeddedPostgres, strategy: str
+) -> None:
+    """Fence first. The outsider accepts writes and comes first in the host list, and a
+    session there holds the name: a lock tried there would be refused (the tenant
+    locked out while the leader is free), or granted and then thrown away. Instead no
+    lock statement reaches it, and the lock is taken on the leader."""
+    leader = leader_of(patroni)
+    name = f"fence-first:{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(outsider.dsn, autocommit=True) as rogue:
+        rogue.execute("SELECT pg_advisory_lock(%s)", (lock_key(name),))
+        sent_before = outsider.log.read_text().count("pg_try_advisory_lock")
+        for _ in range(3):  # a second and third lock reuse what the first learned
+            held = lock(
+                first_in_line(outsider, patroni), name, strategy=strategy,
+                patroni_url=patroni.urls,
+            )  # fmt: skip
+            with held:
+                assert held.acquired, held.loss
+                assert held.holder() is not None
+                if strategy in DEDICATED:
+                    assert held.connection.info.port == leader.pg_port
+    assert outsider.log.read_text().count("pg_try_advisory_lock") == sent_before
+
+
+def test_a_lock_fails_fast_when_no_server_of_the_dsn_is_confirmed(
+    patroni: PatroniCluster, outsider: EmbeddedPostgres
+) -> None:
+    """The outsider alone in the DSN: LockUnavailable naming it, nothing tried there."""
+    leader_of(patroni)
+    started = time.monotonic()
+    held = lock(outsider.dsn, f"fence-first:{uuid.uuid4().hex[:8]}", patroni_url=patroni.urls)
+    with pytest.raises(LockUnavailable) as refused:
+        held.acquire()
+    spent = time.monotonic() - started
+    message = str(refused.value)
+    assert f"127.0.0.1:{outsider.port}" in message, message
+    assert "is confirmed as the Patroni cluster's leader" in message, message
+    assert "no Patroni member answered for the lock session's server" in message, message
+    assert spent < 10, spent  # the fence's three requests of 1 s, not a lockout

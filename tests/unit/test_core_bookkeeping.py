@@ -21,9 +21,9 @@ import pytest
 import pglock_celery.sources as sources_module
 from pglock_celery.config import PglockConfig
 from pglock_celery.exceptions import LockLost
+from pglock_celery.leader import Confirmation, Standing
 from pglock_celery.loss import Loss, LossKind, lock_gone, session_ended
 from pglock_celery.monitor import Body, Hold, Monitor
-from pglock_celery.patroni import Confirmation, Standing
 from pglock_celery.shield import library_code
 from pglock_celery.sources import Registry
 from pglock_celery.sources.base import Source
@@ -719,7 +719,8 @@ class UntouchableGuard:
 
 
 class FakeFence:
-    timeout = 1.0
+    name = "the test's cluster"
+    longest_ask = 3.0
 
     def __init__(self, confirmation: Confirmation) -> None:
         self.confirmation = confirmation

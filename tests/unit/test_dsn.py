@@ -5,10 +5,17 @@ from __future__ import annotations
 from urllib.parse import quote
 
 import pytest
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from pglock_celery.config import PglockConfig
-from pglock_celery.dsn import MALFORMED, describe_target, dsn_problem, parse_dsn, redact
+from pglock_celery.dsn import (
+    MALFORMED,
+    describe_target,
+    dsn_problem,
+    parse_dsn,
+    redact,
+    without_server,
+)
 
 #: The DSN of the finding: a URI password with an unencoded '/'. libpq reads it as host
 #: "postgres", port "Pw9x" and database "7Zq@127.0.0.1:1/db".
@@ -119,3 +126,44 @@ def test_reprs_never_show_the_dsn() -> None:
     dsn = "host=h password=hunter2"
     assert "hunter2" not in repr(parse_dsn(dsn))
     assert "hunter2" not in repr(PglockConfig(dsn=dsn))
+
+
+@pytest.mark.parametrize(
+    ("dsn", "server", "rest"),
+    [
+        # One port per host: the pair goes, the others stay in their order.
+        ("host=a,b,c port=1,2,3 dbname=x target_session_attrs=read-write", ("b", 2),
+         {"host": "a,c", "port": "1,3", "target_session_attrs": "read-write"}),
+        # One port for every host.
+        ("host=a,b port=5 dbname=x", ("a", 5), {"host": "b", "port": "5"}),
+        # No port: libpq's 5432.
+        ("host=a,b dbname=x", ("b", 5432), {"host": "a"}),
+        # A URI, its password kept for the connection (never shown).
+        ("postgresql://u:pw@a:1,b:2/db", ("a", 1), {"host": "b", "port": "2", "password": "pw"}),
+        # hostaddr beside host: both lists narrowed alike.
+        ("host=a,b hostaddr=10.0.0.1,10.0.0.2 port=1", ("b", 1),
+         {"host": "a", "hostaddr": "10.0.0.1"}),
+    ],
+)  # fmt: skip
+def test_a_server_is_left_out_of_a_host_list_with_the_rest_in_order(
+    dsn: str, server: tuple[str, int], rest: dict[str, str]
+) -> None:
+    narrowed = without_server(dsn, *server)
+    assert narrowed is not None
+    params = conninfo_to_dict(narrowed)
+    assert {key: params.get(key) for key in rest} == rest
+    assert params.get("dbname") == conninfo_to_dict(dsn).get("dbname")
+
+
+@pytest.mark.parametrize(
+    ("dsn", "server"),
+    [
+        ("host=a dbname=x", ("a", 5432)),  # nobody else
+        ("host=a,b dbname=x", ("c", 5432)),  # not in the list
+        ("host=a,b port=1,2 dbname=x", ("a", 2)),  # host and port are one server
+        ("host=a,b port=1,2,3 dbname=x", ("a", 1)),  # ports do not pair with hosts
+        ("postgresql://u:p/w@h/db", ("h", 5432)),  # does not parse cleanly
+    ],
+)
+def test_a_host_list_that_cannot_be_narrowed_gives_none(dsn: str, server: tuple[str, int]) -> None:
+    assert without_server(dsn, *server) is None

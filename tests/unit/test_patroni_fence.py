@@ -19,10 +19,10 @@ import pytest
 
 from pglock_celery.config import load_config
 from pglock_celery.exceptions import ConfigurationError
+from pglock_celery.leader import ServerIdentity
 from pglock_celery.patroni import (
     Answer,
     LeaderFence,
-    ServerIdentity,
     Timing,
     fenced_check_interval,
     judge,

@@ -1,0 +1,79 @@
+"""A commit that waits on synchronous replication has a bound its holder learns.
+
+The server here names a synchronous standby that never connects, so every commit of a
+write waits for it, as a primary's do under Patroni's strict synchronous mode while
+replication is cut and the leader keeps its key. The library's own COMMIT (of
+``lock.transaction()``) is bounded by the statement deadline: the holder gets LockLost
+saying whether it committed is unknown, the name stays held by the server meanwhile
+(fail closed), and the commit's outcome is settled only when replication returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from pglock_celery import LockLost
+from pglock_celery.session import STATEMENT_DEADLINE
+from tests.support.locks import DEDICATED, free_elsewhere, lock
+from tests.support.services import EmbeddedPostgres, wait_until
+
+
+@pytest.fixture
+def waiting_server(tmp_path: Path) -> Iterator[EmbeddedPostgres]:
+    """A server whose every commit of a write waits for a standby that never comes."""
+    server = EmbeddedPostgres(tmp_path / "pg")
+    server.init("synchronous_standby_names = 'nobody'")
+    server.start()
+    try:
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            conn.execute("SET synchronous_commit = off")  # the set-up itself does not wait
+            conn.execute("CREATE TABLE writes (name text NOT NULL)")
+        yield server
+    finally:
+        server.destroy()
+
+
+def replication_returns(server: EmbeddedPostgres) -> None:
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        conn.execute("ALTER SYSTEM SET synchronous_standby_names = ''")
+        conn.execute("SELECT pg_reload_conf()")
+
+
+def written(server: EmbeddedPostgres, name: str) -> bool:
+    with psycopg.connect(server.dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM writes WHERE name = %s", (name,)).fetchone()
+    return bool(row and row[0])
+
+
+@pytest.mark.parametrize("strategy", DEDICATED)
+def test_a_commit_waiting_on_replication_ends_in_lock_lost_saying_its_outcome_is_unknown(
+    waiting_server: EmbeddedPostgres, strategy: str
+) -> None:
+    name = f"commit-bound:{uuid.uuid4().hex[:8]}"
+    held = lock(waiting_server.dsn, name, strategy=strategy)
+    assert held.acquire()
+    try:
+        with pytest.raises(LockLost) as lost:
+            with held.transaction() as conn:
+                conn.execute("INSERT INTO writes VALUES (%s)", (name,))
+        message = str(lost.value)
+        assert f"did not answer the COMMIT within {STATEMENT_DEADLINE:g} s" in message, message
+        assert "whether the transaction committed is unknown" in message, message
+        assert held.loss is not None
+        # The backend still waits in its commit: the name stays held (nobody else runs).
+        assert not free_elsewhere(waiting_server.dsn, name)
+        assert not written(waiting_server, name)
+    finally:
+        with contextlib.suppress(LockLost):
+            held.release()
+    replication_returns(waiting_server)
+    # The commit went through once replication returned ("unknown" was the truth), and
+    # the name is free once its backend, its client gone, ends.
+    wait_until(lambda: written(waiting_server, name), 30, "the waiting commit to end")
+    wait_until(lambda: free_elsewhere(waiting_server.dsn, name), 30, "the name to be free")
