@@ -7,6 +7,7 @@ tests skip, except in CI, where they fail.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -34,13 +35,14 @@ def patroni() -> Iterator[PatroniCluster]:
 
 
 @pytest.fixture
-def new_patroni() -> Iterator[Callable[[], PatroniCluster]]:
+def new_patroni() -> Iterator[Callable[..., PatroniCluster]]:
     """Start a cluster of the test's own on demand; every one is stopped at the end."""
     _require_tools()
     started: list[PatroniCluster] = []
 
-    def start() -> PatroniCluster:
-        cluster = PatroniCluster()
+    def start(**options: Any) -> PatroniCluster:
+        """A cluster of PatroniCluster(**options), started."""
+        cluster = PatroniCluster(**options)
         started.append(cluster)
         cluster.start()
         return cluster

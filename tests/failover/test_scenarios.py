@@ -1,7 +1,8 @@
 """Failover scenarios: locks and guarded writes across what can happen to a Patroni primary.
 
 Each scenario starts a 3-member Patroni + etcd cluster of its own (ttl 20 s, loop_wait
-2 s, retry_timeout 4 s, synchronous_mode and synchronous_mode_strict), guards a table,
+2 s, retry_timeout 4 s, or Patroni's defaults 30/10/10 where the scenario says so;
+synchronous_mode and synchronous_mode_strict), guards a table,
 and starts CLIENTS client processes (tests/failover/client.py: the public API only)
 whose multi-host DSNs list the members in every order with
 target_session_attrs=read-write; half of them open a session per lock (strategy
@@ -18,7 +19,10 @@ Then, from every client's records (CLOCK_MONOTONIC, one clock for all):
 - 0 acknowledged writes missing from the final primary;
 - every holder on the deposed primary told (LockLost) before the new primary granted
   its name;
-- locks granted again on the final primary within ttl + 5 s of the event.
+- locks granted again on the final primary within ttl + 10 s of the event;
+- where the event makes a replica a rogue primary (promoted behind its paused Patroni),
+  no advisory lock ever seen on it, and no client kept from locks meanwhile (fence
+  first: a client whose host list reaches the rogue first goes on to the leader).
 
 Each scenario prints its timeline (event, holders told, new leader, first lock) and
 numbers, and writes them to $PGLOCK_FAILOVER_REPORT (a JSON lines file) when set.
@@ -82,6 +86,22 @@ class Scenario:
     strike: Callable[[PatroniCluster, Member], Callable[[], None] | None]
     #: Seconds after the event before the clients may be stopped.
     runs_at_least: float
+    #: The cluster's dynamic configuration where it is not the tests' own (DCS_CONFIG).
+    dcs: dict[str, Any] | None = None
+    #: Each member reaches etcd through a relay the strike may cut.
+    etcd_relays: bool = False
+    #: The strike makes rogue_of(cluster, leader) a second primary; the leader stays.
+    rogue: bool = False
+    #: Another member must lead before locks count as granted again.
+    moves_leader: bool = False
+
+    @property
+    def ttl(self) -> int:
+        return int((self.dcs or {}).get("ttl", TTL))
+
+
+#: Patroni's own defaults for the timing keys (what a cluster runs with unless told).
+PATRONI_DEFAULTS = {"ttl": 30, "loop_wait": 10, "retry_timeout": 10}
 
 
 def switchover(cluster: PatroniCluster, leader: Member) -> None:
@@ -123,6 +143,25 @@ def stop_patroni(cluster: PatroniCluster, leader: Member) -> Callable[[], None]:
     return _pause([leader.patroni_pid])
 
 
+def cut_from_etcd(cluster: PatroniCluster, leader: Member) -> Callable[[], None]:
+    """The leader's Patroni loses etcd; clients and the fence still reach it."""
+    return cluster.cut_from_etcd(leader)
+
+
+def rogue_of(cluster: PatroniCluster, leader: Member) -> Member:
+    return next(m for m in cluster.members if m is not leader)
+
+
+def promote_behind_paused_patroni(cluster: PatroniCluster, leader: Member) -> Callable[[], None]:
+    """A replica's Patroni paused, then its Postgres promoted by hand: a second primary
+    that accepts writes while the leader still leads (Patroni, resumed, demotes it)."""
+    rogue = rogue_of(cluster, leader)
+    assert rogue.patroni_pid is not None
+    resume = _pause([rogue.patroni_pid])
+    cluster.promote_by_hand(rogue)
+    return resume
+
+
 def stop_postgres(cluster: PatroniCluster, leader: Member) -> Callable[[], None]:
     """SIGSTOP the postmaster and every process of it: the whole server freezes."""
     pid = leader.postmaster_pid()
@@ -137,7 +176,51 @@ SCENARIOS = [
     Scenario("sigkill-patroni", kill_patroni, 0.0),
     Scenario("sigstop-patroni-25s", stop_patroni, PAUSE + 5),
     Scenario("sigstop-postgres-25s", stop_postgres, PAUSE + 5),
+    Scenario("defaults-sigkill-patroni", kill_patroni, 0.0, dcs=PATRONI_DEFAULTS),
+    Scenario("leader-cut-from-etcd", cut_from_etcd, 0.0, etcd_relays=True, moves_leader=True),
+    Scenario(
+        "replica-promoted-behind-paused-patroni",
+        promote_behind_paused_patroni,
+        PAUSE + 5,
+        rogue=True,
+    ),
 ]
+
+
+class RogueWatch:
+    """Polls a server for advisory locks held there; counts every sighting."""
+
+    def __init__(self, member: Member) -> None:
+        self.member = member
+        self.sightings = 0
+        self.polls = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(self.member.dsn, autocommit=True, connect_timeout=2) as conn:
+                    while not self._stop.wait(0.02):
+                        row = conn.execute(
+                            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                        ).fetchone()
+                        self.polls += 1
+                        self.sightings += bool(row and row[0])
+            except psycopg.Error:
+                self._stop.wait(0.2)  # restarted by Patroni, or paused: ask again soon
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def longest_gap(holds: list[Hold], client: int, start: float, end: float) -> float:
+    """The longest time ``client`` went without a grant within [start, end]."""
+    grants = sorted(h.grant for h in holds if h.client == client and start <= h.grant <= end)
+    edges = [start, *grants, end]
+    return max(b - a for a, b in itertools.pairwise(edges))
 
 
 class LeaderWatch:
@@ -237,10 +320,10 @@ def first_grant_after(outs: list[Path], after: float, port: int | None) -> float
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
 def test_failover(
     scenario: Scenario,
-    new_patroni: Callable[[], PatroniCluster],
+    new_patroni: Callable[..., PatroniCluster],
     tmp_path: Path,
 ) -> None:
-    cluster = new_patroni()
+    cluster = new_patroni(dcs=scenario.dcs, etcd_relays=scenario.etcd_relays)
     leader = wait_until(cluster.leader, 60, "a leader")
     with psycopg.connect(leader.dsn, autocommit=True) as conn:
         conn.execute("CREATE DATABASE fo")
@@ -250,6 +333,7 @@ def test_failover(
     install_guard(setup_dsn, "fo_rows", "{name}")
 
     watch = LeaderWatch(cluster)
+    rogue = RogueWatch(rogue_of(cluster, leader)) if scenario.rogue else None
     undo: Callable[[], None] | None = None
     try:
         with clients(cluster, "fo", tmp_path) as outs:
@@ -262,16 +346,22 @@ def test_failover(
                 current = cluster.leader()
                 if current is None or time.monotonic() < event + scenario.runs_at_least:
                     return None
+                if scenario.moves_leader and current is leader:
+                    return None
                 return first_grant_after(outs, event + 0.5, current.pg_port)
 
             with contextlib.suppress(AssertionError):
-                wait_until(regranted, scenario.runs_at_least + TTL + 20, "locks granted again")
+                wait_until(
+                    regranted, scenario.runs_at_least + scenario.ttl + 20, "locks granted again"
+                )
             time.sleep(SETTLE)  # the clients keep working on the final primary a while
         stopped_at = time.monotonic()
     finally:
         if undo is not None:
             undo()
         watch.stop()
+        if rogue is not None:
+            rogue.stop()
 
     final = wait_until(cluster.leader, 60, "a final leader")
     with psycopg.connect(final.dsn.replace("dbname=postgres", "dbname=fo")) as conn:
@@ -281,6 +371,20 @@ def test_failover(
         }
     records = Records.read(outs, stopped_at)
     report = verdict(scenario, records, rows, event, leader, final, watch, stopped_at)
+    if rogue is not None:
+        report["rogue"] = rogue.member.name
+        report["rogue_polls"] = rogue.polls
+        report["advisory_locks_seen_on_rogue"] = rogue.sightings
+        report["holds_on_rogue"] = sum(1 for h in records.holds if h.port == rogue.member.pg_port)
+        # While the rogue runs (until its Patroni resumes and demotes it).
+        window = (event + 1, event + PAUSE)
+        report["clients_without_a_lock_while_rogue"] = [
+            c for c in range(CLIENTS)
+            if not any(h.client == c and window[0] <= h.grant <= window[1] for h in records.holds)
+        ]  # fmt: skip
+        report["longest_wait_for_a_lock_s"] = round(
+            max(longest_gap(records.holds, c, event, stopped_at) for c in range(CLIENTS)), 2
+        )
     print(json.dumps(report, indent=1))
     if os.environ.get("PGLOCK_FAILOVER_REPORT"):
         with open(os.environ["PGLOCK_FAILOVER_REPORT"], "a") as out:
@@ -290,7 +394,15 @@ def test_failover(
     assert report["holders_told_before_regrant"] == report["holders_on_old_primary"], report
     assert report["regranted_after_s"] is not None, report
     # Back within ttl + 10 s (issue 25's bound; a killed Patroni measured 25.4 s at ttl 20).
-    assert report["regranted_after_s"] <= TTL + 10, report
+    assert report["regranted_after_s"] <= scenario.ttl + 10, report
+    if rogue is not None:
+        assert rogue.polls > 0, report
+        assert report["advisory_locks_seen_on_rogue"] == 0, report
+        assert report["holds_on_rogue"] == 0, report
+        # Nobody locked out while the leader is up (before fence first, a client whose
+        # host list began with the rogue got no lock for 27 s), and no lock refused.
+        assert report["clients_without_a_lock_while_rogue"] == [], report
+        assert report["client_failures"] == 0, report
 
 
 def verdict(

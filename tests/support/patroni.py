@@ -33,7 +33,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from typing import Any
 import psutil
 import psycopg
 
+from tests.support.relay import Relay
 from tests.support.services import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,9 +209,16 @@ class Member:
 class PatroniCluster:
     """A Patroni cluster of ``size`` members and one etcd, all on 127.0.0.1."""
 
-    def __init__(self, size: int = 3, dcs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, size: int = 3, dcs: dict[str, Any] | None = None, *, etcd_relays: bool = False
+    ) -> None:
+        """``dcs`` changes DCS_CONFIG's keys; with ``etcd_relays`` each member reaches
+        etcd through a relay of its own (cut_from_etcd)."""
         self.size = size
-        self.dcs = DCS_CONFIG if dcs is None else dcs
+        self.dcs = {**DCS_CONFIG, **(dcs or {})}
+        self.etcd_relays = etcd_relays
+        #: member name -> the relay it reaches etcd through (with etcd_relays).
+        self.relays: dict[str, Relay] = {}
         self.scope = f"pglock-{uuid.uuid4().hex[:8]}"
         self.base = Path(tempfile.mkdtemp(prefix="pglock-patroni-"))
         self.account = pwd.getpwnam(ACCOUNT) if os.geteuid() == 0 else None
@@ -262,7 +270,7 @@ class PatroniCluster:
                 "listen": f"127.0.0.1:{member.api_port}",
                 "connect_address": f"127.0.0.1:{member.api_port}",
             },
-            "etcd3": {"hosts": [f"127.0.0.1:{self.etcd_port}"]},
+            "etcd3": self._etcd(member),
             "bootstrap": {
                 "dcs": self.dcs,
                 "initdb": [{"encoding": "UTF8"}, {"locale": "C"}, {"username": "postgres"}],
@@ -288,6 +296,29 @@ class PatroniCluster:
             "tags": {"nofailover": False, "noloadbalance": False},
         }
 
+    def _etcd(self, member: Member) -> dict[str, Any]:
+        relay = self.relays.get(member.name)
+        if relay is None:
+            return {"hosts": [f"127.0.0.1:{self.etcd_port}"]}
+        # use_proxies: Patroni keeps to the relay, never looks up etcd's own addresses.
+        return {"hosts": [f"127.0.0.1:{relay.port}"], "use_proxies": True}
+
+    def cut_from_etcd(self, member: Member) -> Callable[[], None]:
+        """Partition ``member``'s Patroni from etcd (its REST API and Postgres still
+        answer everyone else); returns what heals it."""
+        relay = self.relays[member.name]
+        relay.cut()
+        return relay.heal
+
+    def promote_by_hand(self, member: Member) -> None:
+        """``pg_ctl promote`` on ``member``'s Postgres, behind its Patroni's back (pause
+        its Patroni first, or it demotes the server again at its next loop)."""
+        done = self._spawn(
+            [str(PG_BINDIR / "pg_ctl"), "promote", "-w", "-t", "30", "-D", str(member.data)],
+            member.base / "promote.log",
+        ).wait(60)
+        assert done == 0, self.tail(member.base / "promote.log")
+
     def start(self, timeout: float = 90.0) -> None:
         """Start etcd and every member at once; return when the cluster is healthy."""
         ensure_tools()
@@ -309,6 +340,8 @@ class PatroniCluster:
         )  # fmt: skip
         wait_until(lambda: get_json(client + "/health", 1.0)[0] == 200 or self._died(), 30, "etcd")
         self._check_alive()
+        if self.etcd_relays:
+            self.relays = {member.name: Relay(self.etcd_port) for member in self.members}
         # json is YAML: Patroni reads it as its configuration file.
         for member in self.members:
             member.base.mkdir()
@@ -394,6 +427,8 @@ class PatroniCluster:
         )
         for proc in alive:
             _signal(proc.pid, signal.SIGKILL)
+        for relay in self.relays.values():
+            relay.close()
         if self.etcd is not None and self.etcd.poll() is None:
             self.etcd.terminate()
             try:
