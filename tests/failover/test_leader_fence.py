@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
+import psutil
 import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -18,8 +19,9 @@ from pglock_celery import LockLost, LockUnavailable, TenantLockedTask, lock_key
 from pglock_celery.leader import ServerIdentity, server_identity
 from pglock_celery.loss import LossKind
 from pglock_celery.patroni import LeaderFence
+from pglock_celery.session import STATEMENT_DEADLINE
 from pglock_celery.task import configuration_problems
-from tests.support.locks import DEDICATED, STRATEGIES, eager_app, lock
+from tests.support.locks import DEDICATED, STRATEGIES, eager_app, free_elsewhere, lock
 from tests.support.patroni import Member, PatroniCluster
 from tests.support.services import EmbeddedPostgres, wait_until
 
@@ -383,3 +385,60 @@ def test_a_lock_fails_fast_when_no_server_of_the_dsn_is_confirmed(
     assert "is confirmed as the Patroni cluster's leader" in message, message
     assert "no Patroni member answered for the lock session's server" in message, message
     assert spent < 10, spent  # the fence's three requests of 1 s, not a lockout
+
+
+def wal_receivers(cluster: PatroniCluster, leader: Member) -> list[int]:
+    """The pids of every standby's WAL receiver (what streams the leader's WAL to it)."""
+    pids = []
+    for member in (m for m in cluster.members if m is not leader):
+        postmaster = member.postmaster_pid()
+        assert postmaster is not None
+        for child in psutil.Process(postmaster).children():
+            with contextlib.suppress(psutil.Error):
+                if "walreceiver" in " ".join(child.cmdline()):
+                    pids.append(child.pid)
+    return pids
+
+
+def test_a_commit_waiting_on_cut_replication_is_bounded_and_says_its_outcome_is_unknown(
+    patroni: PatroniCluster,
+) -> None:
+    """Replication cut (every standby's WAL receiver paused) while the leader keeps its
+    key: under synchronous_mode_strict its commits wait as long as the cut lasts. The
+    holder's COMMIT in lock.transaction() gives up at the statement deadline with
+    LockLost saying whether it committed is unknown; the name stays held meanwhile, and
+    the commit goes through once replication returns."""
+    leader = leader_of(patroni)
+    patroni.wait_healthy(60)
+    name = f"sync-cut:{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(leader.dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS sync_cut (name text NOT NULL)")
+
+    def written() -> bool:
+        with psycopg.connect(leader.dsn) as conn:
+            row = conn.execute("SELECT count(*) FROM sync_cut WHERE name = %s", (name,)).fetchone()
+        return bool(row and row[0])
+
+    held = lock(patroni.dsn(), name, patroni_url=patroni.urls)
+    assert held.acquire(), held.loss
+    receivers = wal_receivers(patroni, leader)
+    assert len(receivers) == len(patroni.members) - 1, receivers
+    for pid in receivers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(LockLost) as lost:
+            with held.transaction() as conn:
+                conn.execute("INSERT INTO sync_cut VALUES (%s)", (name,))
+        message = str(lost.value)
+        assert f"did not answer the COMMIT within {STATEMENT_DEADLINE:g} s" in message, message
+        assert "whether the transaction committed is unknown" in message, message
+        assert not free_elsewhere(leader.dsn, name)  # its backend still waits, holding it
+        assert not written()
+    finally:
+        for pid in receivers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(LockLost):
+            held.release()
+    wait_until(written, 30, "the waiting commit to go through")
+    wait_until(lambda: free_elsewhere(leader.dsn, name), 30, "the name to be free")
