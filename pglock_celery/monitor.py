@@ -117,6 +117,9 @@ class Hold:
         #: the source, reported by the lock once the release has ended the session's use.
         self.found_at_release: Loss | None = None
         self.ended = False
+        #: When a check first saw the session's backend wait for synchronous
+        #: replication (time.monotonic()), in the wait going on; None otherwise.
+        self.replication_wait_seen: float | None = None
         #: The holder's connection (dedicated) or its transaction's (shared).
         self.handle: psycopg.Connection[Any] | None = None
         # Set at release or loss; made only when someone waits (most holds end unwatched).

@@ -78,8 +78,9 @@ class Probe:
         # One question at a time on the probe's session.
         self._mutex = threading.Lock()
 
-    def judge(self, session: LockSession, key: int | None) -> Loss | None:
-        """The server's verdict on ``session`` (and on ``key``, when it holds one)."""
+    def judge(self, session: LockSession, key: int | None) -> tuple[Loss | None, bool]:
+        """The server's verdict on ``session`` (and on ``key``, when it holds one), and
+        whether its backend waits for synchronous replication (a commit of its own)."""
         assert session.server_started is not None and session.backend_started is not None
         params = (
             str(session.server_started).encode(),
@@ -90,18 +91,18 @@ class Probe:
         try:
             result = self._ask(sql.PROBE, params)
         except (psycopg.Error, LockUnavailable) as exc:
-            return self._unanswered(exc)
-        same_server, backend_there, key_free = (result.get_value(0, n) for n in range(3))
+            return self._unanswered(exc), False
+        same_server, waits_for, key_free = (result.get_value(0, n) for n in range(3))
         if same_server != b"t":
             return session_ended(
                 "the lock session's server was restarted (its start time changed), "
                 "which ends every session"
-            )
-        if backend_there != b"t":
-            return session_ended("the server no longer has the lock session's backend")
+            ), False
+        if waits_for is None:
+            return session_ended("the server no longer has the lock session's backend"), False
         if key_free == b"t":
-            return lock_gone("the server shows the lock free while its session is busy")
-        return None
+            return lock_gone("the server shows the lock free while its session is busy"), False
+        return None, waits_for == b"SyncRep"
 
     def end_backend(self, session: LockSession, timeout: float) -> bool:
         """End ``session``'s backend on the server and wait up to ``timeout`` s for it to exit.

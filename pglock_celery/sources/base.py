@@ -6,6 +6,7 @@ import abc
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -115,6 +116,23 @@ def fenced_transaction(
         loss = lock_gone("the session no longer holds the lock (found as the transaction began)")
         hold.mark_lost(loss)
         raise LockLost(f"lock {hold.label} was lost: {hold.lost or loss}")
+
+
+def _replication_wait(hold: Hold, bound: float) -> Loss | None:
+    """A holder's commit waits for synchronous replication: a loss once it has waited
+    ``bound`` seconds since a check first saw it (the holder learns; the backend goes
+    on waiting, holding the lock, until replication returns or it is ended)."""
+    now = time.monotonic()
+    if hold.replication_wait_seen is None:
+        hold.replication_wait_seen = now
+    waited = now - hold.replication_wait_seen
+    if waited < bound:
+        return None
+    return Loss(
+        LossKind.CANNOT_TELL,
+        f"a commit of the holder's has waited over {waited:.0f} s for synchronous "
+        "replication (the standbys cut off?): whether it committed is unknown",
+    )
 
 
 def _prove(handle: psycopg.Connection[Any], key: int, deadline: float | None) -> bool:
@@ -295,6 +313,7 @@ class Source(abc.ABC):
                     session.pgconn.transaction_status == pq.TransactionStatus.IDLE
                     and not session.pgconn.pipeline_status
                 ):
+                    hold.replication_wait_seen = None  # between statements: no commit waits
                     return self._ask(session, hold)
             finally:
                 session.guard.release()
@@ -318,7 +337,11 @@ class Source(abc.ABC):
             return session_ended("the lock session failed: the server closed it")
         if session.pid != os.getpid() or session.backend_started is None:
             return None  # a parent's session; behind a pooler the server's view is not ours
-        return self._probe(session).judge(session, hold.key if hold.granted else None)
+        loss, replicating = self._probe(session).judge(session, hold.key if hold.granted else None)
+        if loss is not None or not replicating:
+            hold.replication_wait_seen = None
+            return loss
+        return _replication_wait(hold, session.statement_deadline)
 
     def _probe(self, session: LockSession) -> Probe:
         where = server_of(session)

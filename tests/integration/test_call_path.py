@@ -26,6 +26,7 @@ OFF_THE_PATH = {
     "pglock_celery.inspect",
     "pglock_celery.probe",
     "pglock_celery.guard",
+    "pglock_celery.leader",
     "pglock_celery.patroni",
     "pglock_celery.doctor",
 }

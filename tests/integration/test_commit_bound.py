@@ -5,7 +5,9 @@ write waits for it, as a primary's do under Patroni's strict synchronous mode wh
 replication is cut and the leader keeps its key. The library's own COMMIT (of
 ``lock.transaction()``) is bounded by the statement deadline: the holder gets LockLost
 saying whether it committed is unknown, the name stays held by the server meanwhile
-(fail closed), and the commit's outcome is settled only when replication returns.
+(fail closed), and the commit's outcome is settled only when replication returns. A
+commit of the body's own (autocommit on ``lock.connection``, or its own transaction)
+is found by the checks once it has waited as long, and the body is told the same.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pglock_celery import LockLost
+from pglock_celery import LockLost, TenantLockedTask, current_lock
 from pglock_celery.session import STATEMENT_DEADLINE
-from tests.support.locks import DEDICATED, free_elsewhere, lock
+from tests.support.locks import DEDICATED, eager_app, free_elsewhere, lock
 from tests.support.services import EmbeddedPostgres, wait_until
 
 
@@ -75,5 +77,32 @@ def test_a_commit_waiting_on_replication_ends_in_lock_lost_saying_its_outcome_is
     replication_returns(waiting_server)
     # The commit went through once replication returned ("unknown" was the truth), and
     # the name is free once its backend, its client gone, ends.
+    wait_until(lambda: written(waiting_server, name), 30, "the waiting commit to end")
+    wait_until(lambda: free_elsewhere(waiting_server.dsn, name), 30, "the name to be free")
+
+
+@pytest.mark.parametrize("strategy", DEDICATED)
+def test_a_commit_of_the_bodys_own_waiting_on_replication_interrupts_the_body(
+    waiting_server: EmbeddedPostgres, strategy: str
+) -> None:
+    """The body's own autocommit INSERT waits in its commit: the checks see its backend
+    wait for synchronous replication, and once it has waited the statement deadline the
+    body gets LockLost (its session cut), saying the outcome is unknown."""
+    app = eager_app(waiting_server.dsn, "commit-bound", strategy=strategy, check_interval=0.5)
+    name = f"commit-bound:{uuid.uuid4().hex[:8]}"
+
+    @app.task(base=TenantLockedTask, lock_name="commit-bound:{tenant}", shared=False)
+    def write(tenant: str) -> None:
+        lock = current_lock()
+        assert lock is not None
+        lock.connection.execute("INSERT INTO writes VALUES (%s)", (lock.name,))
+
+    result = write.apply(args=(name.split(":", 1)[1],))
+    assert isinstance(result.result, LockLost), result.result
+    message = str(result.result)
+    assert "waited over" in message and "for synchronous replication" in message, message
+    assert "whether it committed is unknown" in message, message
+    assert not free_elsewhere(waiting_server.dsn, name)  # its backend still waits, holding it
+    replication_returns(waiting_server)
     wait_until(lambda: written(waiting_server, name), 30, "the waiting commit to end")
     wait_until(lambda: free_elsewhere(waiting_server.dsn, name), 30, "the name to be free")
