@@ -71,7 +71,7 @@ F5). ``ttl 20, loop_wait 2, retry_timeout 4`` give W = 11 s; Patroni's defaults
 ``30/10/10`` give W = 5 s. A holder on a deposed primary is told within W of its last
 confirmation, provided its library refreshes the confirmation before it ends and treats
 an ended one as a loss (what the lock core does with ``LeaderFence.confirm``, checking
-each lock often enough for that: ``fenced_check_interval``, 1.2 s at the defaults).
+each lock often enough for that: ``fenced_check_interval``, 0.8 s at the defaults).
 
 Assumptions:
 A1  Clocks tick at nearly the same rate (etcd's, the Patroni host's, this host's), and
@@ -142,12 +142,14 @@ def fenced_check_interval(
     """The check interval of a fenced lock under ``timing``: ``wanted``, or less.
 
     Each check needs a confirmation that outlasts the next check (which comes within
-    1.25 intervals) and the time to ask then (three requests of ``timeout``), with
-    half a timeout to spare for the answer just received; so the interval is at most
-    ``(window - 3.5 * timeout) / 1.25``. None when that is below
-    SHORTEST_FENCED_INTERVAL: no check interval works, Patroni's ttl must grow.
+    1.25 intervals of this one's end) and the time to ask then (three requests of
+    ``timeout``), counted from when the answer just received is in: a confirmation is
+    trusted from when its request was sent, and an answer may take up to ``timeout``.
+    So the interval is at most ``(window - 4 * timeout) / 1.25``: a slow but timely
+    Patroni never costs a lock. None when that is below SHORTEST_FENCED_INTERVAL: no
+    check interval works, Patroni's ttl must grow.
     """
-    fits = (timing.window(margin) - 3.5 * timeout) / 1.25
+    fits = (timing.window(margin) - 4 * timeout) / 1.25
     if fits < SHORTEST_FENCED_INTERVAL:
         return None
     return min(wanted, fits)
@@ -156,7 +158,7 @@ def fenced_check_interval(
 def shortest_ttl(timing: Timing, *, timeout: float, margin: float) -> float:
     """The least ttl with which ``timing``'s loop_wait and retry_timeout leave room for
     a fenced lock (fenced_check_interval not None), in whole seconds."""
-    needed = 1.25 * SHORTEST_FENCED_INTERVAL + 3.5 * timeout
+    needed = 1.25 * SHORTEST_FENCED_INTERVAL + 4 * timeout
     return float(math.ceil(timing.ttl - timing.window(margin) + needed))
 
 

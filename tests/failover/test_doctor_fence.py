@@ -103,7 +103,7 @@ def test_a_window_too_short_for_any_check_interval_fails_naming_the_least_ttl(
     with timing(patroni, ttl=26, loop_wait=10, retry_timeout=5):
         found = fence_findings(monkeypatch, patroni.dsn(), patroni.urls)["patroni window"]
     assert found.level == "fail"
-    # W = 26 - 10 - max(5, 13) - 2 = 1; 0.5 s needs 4.125: ttl 30 (ceil of 29.125).
+    # W = 26 - 10 - max(5, 13) - 2 = 1; 0.5 s needs 4.625: ttl 30 (ceil of 29.625).
     assert "window 1 s at ttl 26/loop_wait 10/retry_timeout 5" in found.message
     assert "the least ttl that fits is 30" in found.message
     assert found.fix == "patronictl edit-config -s ttl=30"

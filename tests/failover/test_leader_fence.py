@@ -258,7 +258,7 @@ def test_a_lock_is_kept_at_patronis_default_timings_with_the_default_settings(
     patroni: PatroniCluster,
 ) -> None:
     """ttl 30, loop_wait 10, retry_timeout 10 trust a confirmation for 5 s; the default
-    check interval (2 s) needs 5.5 s, so under the fence it is lowered to fit (1.2 s),
+    check interval (2 s) needs 6.5 s, so under the fence it is lowered to fit (0.8 s),
     and the lock is granted and kept, every check confirmed."""
     leader_of(patroni)
     with timing(patroni, ttl=30, loop_wait=10, retry_timeout=10):
@@ -269,7 +269,7 @@ def test_a_lock_is_kept_at_patronis_default_timings_with_the_default_settings(
             hold = held._hold
             assert hold is not None
             # What the monitor schedules the hold's checks by.
-            assert hold.source.check_interval(hold) == pytest.approx(1.2)
+            assert hold.source.check_interval(hold) == pytest.approx(0.8)
             kept_until = time.monotonic() + 4 * 1.25 * 2.0  # four default intervals
             while time.monotonic() < kept_until:
                 assert held.loss is None, held.loss

@@ -16,6 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pglock_celery.config import load_config
 from pglock_celery.exceptions import ConfigurationError
@@ -112,18 +114,41 @@ def test_the_window_is_ttl_less_loop_wait_less_the_longer_of_retry_and_stale_rea
 
 def test_a_fenced_check_interval_fits_patronis_defaults_and_is_never_raised() -> None:
     """At 30/10/10 the window is 5 s: the default interval (2 s) needs 1.25 * 2 + 3 s plus
-    half a timeout, so it is lowered to (5 - 3.5) / 1.25 = 1.2 s; a wide window keeps it."""
+    a timeout, so it is lowered to (5 - 4) / 1.25 = 0.8 s; a wide window keeps it."""
     defaults = Timing(30, 10, 10)
-    assert fenced_check_interval(defaults, wanted=2.0, timeout=1.0, margin=2.0) == 1.2
+    assert fenced_check_interval(defaults, wanted=2.0, timeout=1.0, margin=2.0) == 0.8
     assert fenced_check_interval(Timing(20, 2, 4), wanted=2.0, timeout=1.0, margin=2.0) == 2.0
     assert fenced_check_interval(defaults, wanted=0.3, timeout=1.0, margin=2.0) == 0.3
 
 
+@given(
+    ttl=st.integers(20, 120),
+    loop_wait=st.integers(1, 30),
+    retry_timeout=st.integers(1, 30),
+    wanted=st.floats(0.1, 30),
+    latency=st.floats(0.0, 1.0),
+)
+def test_a_confirmation_that_came_within_its_timeout_outlasts_the_next_check_and_its_ask(
+    ttl: int, loop_wait: int, retry_timeout: int, wanted: float, latency: float
+) -> None:
+    """Whatever the timing, a confirmation whose answer took up to the request timeout
+    is still valid, once it is in, until the next check (within 1.25 intervals, from
+    the end of this one) has asked again (3 requests): no lock is refused for a slow
+    but timely Patroni."""
+    timing, timeout = Timing(ttl, loop_wait, retry_timeout), 1.0
+    interval = fenced_check_interval(timing, wanted=wanted, timeout=timeout, margin=2.0)
+    if interval is None:
+        return
+    assert interval <= wanted
+    remaining = timing.window(2.0) - latency  # trusted from when the request was sent
+    assert remaining >= 1.25 * interval + 3 * timeout
+
+
 def test_no_check_interval_fits_a_window_too_short_and_the_least_ttl_is_named() -> None:
-    short = Timing(28, 10, 10)  # window 3 s: (3 - 3.5) / 1.25 < 0.5
+    short = Timing(28, 10, 10)  # window 3 s: (3 - 4) / 1.25 < 0.5
     assert fenced_check_interval(short, wanted=2.0, timeout=1.0, margin=2.0) is None
     least = shortest_ttl(short, timeout=1.0, margin=2.0)
-    assert least == 30  # 25 s of loop_wait, retries and margin + 0.625 + 3.5, whole seconds
+    assert least == 30  # 25 s of loop_wait, retries and margin + 0.625 + 4, whole seconds
     fitted = Timing(least, 10, 10)
     assert fenced_check_interval(fitted, wanted=2.0, timeout=1.0, margin=2.0) is not None
     assert (
