@@ -18,10 +18,10 @@ meanwhile (G12). The lock path (sources/, session.py, task.py) knows only this m
 
 Patroni is the one implementation (patroni.py, chosen by ``pglock_patroni_url``).
 Another source (a Kubernetes lease, pg_auto_failover's monitor, a managed service's
-endpoint) plugs in by implementing :class:`LeaderSource` and being chosen in
-:func:`leader_source`; it needs a safety argument of the kind patroni.py gives: while
-``confirm`` returns a confirmation valid at some moment, no other server can have been
-promoted by then.
+endpoint) plugs in by implementing :class:`LeaderSource` (with a ``parse_setting`` for
+its setting's value) and a row in :data:`SOURCES`; it needs a safety argument of the
+kind patroni.py gives: while ``confirm`` returns a confirmation valid at some moment, no
+other server can have been promoted by then.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ class Confirmation:
 class LeaderSource(Protocol):
     """What the lock path asks of a leader election (see the module docstring).
 
-    One per configuration, shared by its threads; safe to use after a fork.
+    One per configuration, shared by its threads; a forked child calls
+    ``after_fork_in_child`` before using it.
     """
 
     #: Names the source in messages ("the Patroni cluster").
@@ -136,6 +137,10 @@ class LeaderSource(Protocol):
     def problem(self, wanted: float) -> str | None:
         """Why no lock can be kept under this source with check interval ``wanted``
         (a message with the fix), or None; asked at worker start."""
+        ...
+
+    def after_fork_in_child(self) -> None:
+        """Made usable in a forked child (its locks and threads are the parent's)."""
         ...
 
 

@@ -370,6 +370,11 @@ class MemberClient:
         self._pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
+    def after_fork_in_child(self) -> None:
+        """The parent's threads are not in the child, nor whoever held its mutex."""
+        self._guard = threading.Lock()
+        self._pool = None
+
     def each(self, ask: Callable[[str], T]) -> list[T]:
         """``ask(url)`` for every member at once, in the members' order."""
         if len(self.urls) == 1:
@@ -476,6 +481,12 @@ class LeaderFence:
         """The server ``conn`` is on, by its postmaster's start time (what every member's
         status reports)."""
         return server_identity(conn)
+
+    def after_fork_in_child(self) -> None:
+        """The child keeps what was learned (confirmations run on the monotonic clock,
+        which the child shares), not the parent's mutex or threads."""
+        self._guard = threading.Lock()
+        self._client.after_fork_in_child()
 
     def confirm(self, server: ServerIdentity, *, fresh_for: float = 0.0) -> Confirmation:
         """Is ``server`` the leader? Reuses the last answer while valid for ``fresh_for`` s.

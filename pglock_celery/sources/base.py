@@ -384,6 +384,8 @@ class Source(abc.ABC):
     def after_fork_in_child(self) -> list[LockSession]:
         """Forget every session of the parent's; return them (kept, never finalized)."""
         self._mutex = threading.Lock()
+        if self.fence is not None:
+            self.fence.after_fork_in_child()
         inherited = list(self._sessions)
         self._sessions.clear()
         for session in inherited:

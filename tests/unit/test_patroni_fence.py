@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -376,3 +378,30 @@ def test_a_proxy_in_the_environment_is_not_used(
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.delenv("NO_PROXY", raising=False)
     assert LeaderFence([members[0].url]).confirm(SERVER).leader
+
+
+def test_a_forked_child_asks_the_members_on_threads_and_a_mutex_of_its_own(
+    members: list[Member],
+) -> None:
+    """The parent searched on the client's pool, and one of its threads held the
+    client's mutex at the fork: the child, once told of the fork, searches all the same."""
+    fence = LeaderFence([m.url for m in members])
+    assert fence.confirm(SERVER).leader  # not known yet: every member asked, on the pool
+    replica = ServerIdentity("127.0.0.1", 5433, STARTED + datetime.timedelta(seconds=5))
+    with fence._client._guard:  # as a thread of the parent's would, at the fork
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                fence.after_fork_in_child()
+                code = 0 if "not the leader" in fence.confirm(replica).reason else 2
+            finally:
+                os._exit(code)
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the child's exit, with a deadline
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's confirm hung")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
