@@ -108,7 +108,10 @@ chaos: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.run $(ARGS)
 
-# A longer randomized mix of faults: make soak ARGS="--duration 600"
+# A longer randomized mix of faults: make soak ARGS="--duration 600". On a 3-member
+# Patroni cluster, with failovers among the faults (a switchover, the leader's Postgres or
+# Patroni SIGKILLed, its Patroni paused): make soak ARGS="--patroni --strategy connect
+# --duration 600" (tests/chaos/failover_soak.py; Patroni's venv is built when missing).
 soak: $(STAMP)
 	$(PY) -m tests.chaos.soak $(ARGS)
 

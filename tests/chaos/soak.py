@@ -1,6 +1,7 @@
 """`make soak`: the orchestrator under a randomized mix of faults, for a given duration.
 
     python -m tests.chaos.soak --duration 300 [--tenants 12] [--seed N]
+    python -m tests.chaos.soak --patroni [--strategy reuse|connect] --duration 600
 
 Runs on its own throwaway Postgres and Redis. Faults: SIGKILL of a replica
 (restarted at once), SIGSTOP of a replica for a few seconds, termination of a
@@ -13,24 +14,24 @@ count), steps run, overlapping steps (expected 0), duplicate training jobs
 (expected 0) and lost tenants: tenants that made no progress in the recovery
 window (expected 0). A soak in which no fault hit anything, or no step ran,
 proves nothing and fails.
+
+With ``--patroni`` it runs on a 3-member Patroni cluster instead, with failovers
+among the faults (failover_soak.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import signal
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-import psycopg
-
 from tasks import fleet
-from tasks.report import Summary
+from tests.chaos import failover_soak, mix
+from tests.chaos.mix import verdict
 from tests.support import netns
 from tests.support.orchestra import Orchestra
 from tests.support.services import EmbeddedPostgres, EmbeddedRedis
@@ -48,7 +49,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--without-partition", action="store_true", help="leave out the partition fault"
     )
+    parser.add_argument(
+        "--patroni",
+        action="store_true",
+        help="on a 3-member Patroni cluster, with failovers and without the partition",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=failover_soak.STRATEGIES,
+        help="the replicas' PGLOCK_STRATEGY under --patroni (reuse)",
+    )
     args = parser.parse_args(argv)
+    if args.patroni:
+        return failover_soak.run(args)
+    if args.strategy is not None:
+        parser.error("--strategy needs --patroni")
     why = netns.available()
     if why is not None and not args.without_partition:
         print(
@@ -106,37 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         pg.destroy()
         if guest:
             guest.destroy()
-    print(f"\nfaults injected    {sum(faults.values())} {dict(sorted(faults.items()))}")
-    missing = sorted(set(kinds) - set(faults))
-    if missing:
-        print(f"faults not hit     {missing}")
-    for line in summary.lines():
-        print(line)
-    print(f"lost tenants       {len(lost)} (expected: 0) {lost if lost else ''}")
     problems = verdict(faults, summary, lost)
-    for problem in problems:
-        print(f"problem: {problem}")
-    print("result: FAILED" if problems else "result: OK")
-    return 1 if problems else 0
-
-
-def verdict(faults: Counter[str], summary: Summary, lost: list[str]) -> list[str]:
-    """What makes the soak fail; empty when it passed.
-
-    A soak proves something only when faults hit the system and it kept working.
-    """
-    problems = []
-    if not sum(faults.values()):
-        problems.append("no fault hit anything: the soak tested nothing")
-    if not summary.steps:
-        problems.append("no step ran")
-    if summary.overlaps:
-        problems.append(f"{summary.overlaps} overlapping steps")
-    if summary.duplicate_jobs:
-        problems.append(f"{summary.duplicate_jobs} duplicate training jobs")
-    if lost:
-        problems.append(f"{len(lost)} tenants made no progress after the faults")
-    return problems
+    return mix.report(faults, kinds, [], summary, lost, problems)
 
 
 def _guest_replica(
@@ -166,37 +152,16 @@ def _inject(
     guest: netns.Guest | None,
 ) -> bool:
     """Inject one fault; return whether it hit something."""
-    victim = rng.choice(replicas)
-    if kind == "kill":
-        victim.kill()
-        victim.start()
-    elif kind == "pause":
-        tree = victim.tree()
-        for pid in tree:
-            os.kill(pid, signal.SIGSTOP)
-        time.sleep(rng.uniform(1, 4))  # the length of the pause is the fault
-        for pid in tree:
-            os.kill(pid, signal.SIGCONT)
-        return bool(tree)
-    elif kind == "terminate":
-        with psycopg.connect(orchestra.dsn, autocommit=True) as conn:
-            row = conn.execute(
-                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM ("
-                " SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'pglock|%'"
-                " AND datname = current_database() ORDER BY random() LIMIT 1) AS victim"
-            ).fetchone()
-        return bool(row and row[0])
-    elif kind == "restart-postgres":
+    if kind == "restart-postgres":
         pg.restart(rng.choice(["fast", "immediate"]))
-    elif kind == "restart-redis":
-        redis.stop()
-        redis.start()
     elif kind == "partition":
         if guest is None:
             raise AssertionError("the partition fault was chosen without a namespace")
         guest.cut()
         time.sleep(rng.uniform(3, 10))  # the length of the partition is the fault
         guest.heal()
+    else:
+        return mix.inject(kind, rng, replicas, orchestra, redis)
     return True
 
 
