@@ -13,7 +13,7 @@ from .exceptions import (
 from .guard import install_guard, remove_guard
 from .inspect import holder
 from .keys import lock_key
-from .lock import AdvisoryLock, current_lock, try_lock, wait_lock
+from .lock import AdvisoryLock, current_lock, shard_of, try_lock, wait_lock
 from .task import (
     LOCK_LOST_EVENT,
     LOCK_SKIPPED_EVENT,
@@ -43,6 +43,7 @@ __all__ = [
     "install_guard",
     "lock_key",
     "remove_guard",
+    "shard_of",
     "skipped",
     "try_lock",
     "wait_lock",

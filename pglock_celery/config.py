@@ -38,8 +38,9 @@ from celery.utils.collections import DictAttribute
 from psycopg.conninfo import conninfo_to_dict
 
 from .dsn import dsn_problem
-from .exceptions import ConfigurationError
+from .exceptions import ConfigurationError, LockNameError
 from .leader import parse_setting as parse_leader_setting
+from .shards import DEFAULT, Rule, Shard, parse_rule, parse_shards, rendezvous
 
 _CACHE_ATTRIBUTE = "_pglock_config"
 
@@ -282,6 +283,11 @@ class PglockConfig:
     #: A Django database alias: without pglock_dsn, the lock's DSN comes from its
     #: DATABASES entry; a task body's ORM writes to it are fenced by its lock.
     database: str | None = None
+    #: Locks spread over several databases (shards.py), each the authority for its
+    #: share: shard name -> DSN, or DSN and Patroni URLs. Kept out of repr().
+    shards: tuple[Shard, ...] | None = dataclasses.field(default=None, repr=False)
+    #: Places a lock name on a shard before the hash does (shards.py).
+    shard_rule: Rule | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         """Refuse a value that no lock session could use, as load_config does.
@@ -293,7 +299,7 @@ class PglockConfig:
         """
         problems: list[str] = []
         for name, parse in _PARSERS.items():
-            if name in ("dsn", "patroni_url"):
+            if name in ("dsn", "patroni_url", "shard_rule"):
                 continue
             value = getattr(self, name)
             try:
@@ -305,6 +311,9 @@ class PglockConfig:
                 object.__setattr__(self, name, parsed)
         if problems:
             raise ConfigurationError(f"invalid PglockConfig: {'; '.join(problems)}")
+        if self.shard_rule is not None and not callable(self.shard_rule):
+            object.__setattr__(self, "shard_rule", parse_rule(self.shard_rule))
+        _refuse_mixed_shards(self)
         if self.database is not None:
             object.__setattr__(self, "dsn", _database_dsn(self.database, self.strategy, self.dsn))
 
@@ -339,6 +348,11 @@ class PglockConfig:
         A DSN that does not parse cleanly never reaches libpq, whose messages
         would quote the parts it mis-parsed (pieces of a URI password among them).
         """
+        if not self.dsn and self.shards is not None:
+            raise ConfigurationError(
+                "pglock_shards spreads the locks over several databases: this needs one "
+                "shard's configuration (for_key, for_shard), or a DSN given"
+            )
         if not self.dsn:
             raise ConfigurationError(
                 "no lock database configured: set the Celery setting pglock_dsn "
@@ -365,7 +379,99 @@ class PglockConfig:
             return self
         config = copy.copy(self)
         object.__setattr__(config, "dsn", dsn)  # frozen: as dataclasses' own __init__ does
+        # A DSN named is one database: no shards, whatever the settings spread.
+        object.__setattr__(config, "shards", None)
+        object.__setattr__(config, "shard_rule", None)
+        config.__dict__.pop("_placed", None)
         return config
+
+    def shard_of(self, key: int, name: str | None = None) -> str:
+        """The name of the shard that the lock ``key`` (named ``name``) lives on.
+
+        DEFAULT without shards. ``pglock_shard_rule`` places a name first, then
+        rendezvous hashing on the key; cached per configuration (a rule must give one
+        answer per name). A bare key under a rule is refused (LockNameError): the rule
+        places names, and a key its name was placed by could land elsewhere.
+        """
+        if self.shards is None:
+            return DEFAULT
+        placed: dict[tuple[int, str | None], str] = self.__dict__.setdefault("_placed", {})
+        found = placed.get((key, name))
+        if found is None:
+            found = self._place(key, name)
+            if len(placed) >= _MOST_PLACED:
+                placed.clear()  # bounded: a process's names beyond it are placed again
+            placed[(key, name)] = found
+        return found
+
+    def _place(self, key: int, name: str | None) -> str:
+        assert self.shards is not None
+        names = [shard.name for shard in self.shards]
+        if self.shard_rule is not None:
+            if name is None:
+                raise LockNameError(
+                    f"lock #{key}: with pglock_shard_rule, a lock is taken by its name: the "
+                    "rule places names, and a bare key could land on another shard"
+                )
+            chosen = self.shard_rule(name)
+            if chosen is not None:
+                if chosen not in names:
+                    raise ConfigurationError(
+                        f"pglock_shard_rule placed lock {name!r} on shard {chosen!r}, which "
+                        f"pglock_shards does not name (it names {', '.join(names)})"
+                    )
+                return str(chosen)
+        return rendezvous(key, names)
+
+    def for_key(self, key: int, name: str | None = None) -> PglockConfig:
+        """The configuration of the shard the lock ``key`` (named ``name``) lives on:
+        this one without shards."""
+        if self.shards is None:
+            return self
+        return self.for_shard(self.shard_of(key, name))
+
+    def for_shard(self, name: str) -> PglockConfig:
+        """The configuration of shard ``name``: its DSN and its own Patroni URLs, every
+        other setting this one's (one per shard, so one source and one fence each)."""
+        configs: dict[str, PglockConfig] = self.__dict__.setdefault("_shard_configs", {})
+        found = configs.get(name)
+        if found is None:
+            shard = next((s for s in self.shards or () if s.name == name), None)
+            if shard is None:
+                raise ConfigurationError(f"pglock_shards names no shard {name!r}")
+            found = self.with_dsn(shard.dsn)
+            found.__dict__.pop("_shard_configs", None)
+            object.__setattr__(found, "patroni_url", shard.patroni_url)
+            configs[name] = found
+        return found
+
+    def each_shard(self) -> tuple[tuple[str, PglockConfig], ...]:
+        """Every shard's name and configuration; (DEFAULT, this one) without shards."""
+        if self.shards is None:
+            return ((DEFAULT, self),)
+        return tuple((shard.name, self.for_shard(shard.name)) for shard in self.shards)
+
+
+#: How many placements a configuration keeps (shard_of's cache).
+_MOST_PLACED = 65536
+
+
+def _refuse_mixed_shards(config: PglockConfig) -> None:
+    """pglock_shards names every lock database: with it, no other setting names one."""
+    if config.shards is None:
+        if config.shard_rule is not None:
+            raise ConfigurationError("pglock_shard_rule is set without pglock_shards")
+        return
+    for setting, value in (
+        ("pglock_dsn", config.dsn),
+        ("pglock_database", config.database),
+        ("pglock_patroni_url", config.patroni_url),
+    ):
+        if value:
+            raise ConfigurationError(
+                f"pglock_shards and {setting} are both set: pglock_shards names each shard's "
+                "DSN (and its patroni_url); set one or the other"
+            )
 
 
 def _database_dsn(alias: str, strategy: str, dsn: str | None) -> str:
@@ -436,6 +542,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "pooler": _pooler,
     "patroni_url": _patroni_url,
     "database": _database,
+    "shards": parse_shards,
+    "shard_rule": parse_rule,
 }
 
 #: Every setting: (app.conf key, environment variable, default).
@@ -489,7 +597,7 @@ def load_config(conf: Any, environ: dict[str, str] | None = None) -> PglockConfi
         except (TypeError, ValueError) as exc:
             if source == key:
                 source = _written_as(conf, key)
-            shown = "<hidden>" if field.name in ("dsn", "patroni_url") else repr(raw)
+            shown = "<hidden>" if field.name in ("dsn", "patroni_url", "shards") else repr(raw)
             problems.append(f"{source}={shown}: {exc}")
     if problems:
         if len(problems) == 1:
@@ -585,7 +693,7 @@ def _mask_in_celery_reports() -> None:
     """
     hidden = getattr(celery.app.utils, "HIDDEN_SETTINGS", None)
     if isinstance(hidden, re.Pattern) and not hidden.search("celery_pglock_dsn"):
-        extended = re.compile(f"{hidden.pattern}|(?i:PGLOCK_DSN)", hidden.flags)
+        extended = re.compile(f"{hidden.pattern}|(?i:PGLOCK_DSN|PGLOCK_SHARDS)", hidden.flags)
         # setattr: celery-types does not declare HIDDEN_SETTINGS.
         setattr(celery.app.utils, "HIDDEN_SETTINGS", extended)  # noqa: B010
 

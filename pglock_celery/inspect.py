@@ -222,7 +222,7 @@ def holder(name_or_key: str | int, *, dsn: str | None = None) -> Holder | None:
     else:
         name, key = None, check_key(name_or_key)
     label = name if name is not None else f"#{key}"
-    config = get_config(current_app).with_dsn(dsn)
+    config = get_config(current_app).with_dsn(dsn).for_key(key, name)
     target = config.require_dsn()
     try:
         with _plain_session(config) as conn:

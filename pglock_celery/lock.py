@@ -83,8 +83,10 @@ class AdvisoryLock:
             self.name = None
             self.key = check_key(name_or_key)
             cached = True
+        config = config.for_key(self.key, self.name)
         self.config = config
-        """The pglock settings the lock was made with (its DSN among them)."""
+        """The pglock settings the lock was made with (its DSN among them), its
+        shard's under ``pglock_shards``."""
         self.task_id = task_id
         """The task id the lock's session is named after, if any."""
         self.label = self.name if self.name is not None else f"#{self.key}"
@@ -404,6 +406,21 @@ def try_lock(name_or_key: str | int, *, dsn: str | None = None) -> AdvisoryLock:
     Celery app's ``pglock_dsn`` is used, else ``PGLOCK_DSN``.
     """
     return AdvisoryLock(name_or_key, config=_config_for(dsn), task_id=_current_task_id())
+
+
+def shard_of(name_or_key: str | int) -> str:
+    """The name of the shard (of ``pglock_shards``) that the lock lives on.
+
+    ``"default"`` without shards. For the current Celery app's settings, else the
+    ``PGLOCK_*`` environment, as for try_lock.
+    """
+    config = _config_for(None)
+    if isinstance(name_or_key, str):
+        name: str | None = check_lock_name(name_or_key)
+        key = lock_key(name_or_key)
+    else:
+        name, key = None, check_key(name_or_key)
+    return config.shard_of(key, name)
 
 
 def wait_lock(

@@ -37,7 +37,7 @@ from .exceptions import (
     lost_during_step,
 )
 from .inspect import database_identity
-from .keys import check_lock_name, check_timeout
+from .keys import check_lock_name, check_timeout, lock_key
 from .leader import leader_source
 from .lock import AdvisoryLock, _current, current_lock
 from .loss import Loss
@@ -154,18 +154,19 @@ def configuration_problems(app: Celery) -> list[str]:
     except ConfigurationError as exc:
         problems.append(str(exc))
     locked = [task for task in app.tasks.values() if isinstance(task, TenantLockedTask)]
-    if locked and config is not None:
+    shards = config.each_shard() if locked and config is not None else ()
+    for _, shard in shards:
         try:
-            config.require_dsn()
+            shard.require_dsn()
         except ConfigurationError as exc:
             problems.append(str(exc))
     for task in locked:
         problems.extend(task.configuration_problems())
-    leader = leader_source(config) if locked and config is not None and not problems else None
-    if leader is not None and config is not None:
-        fenced = leader.problem(config.check_interval)
+    for name, shard in shards if not problems else ():
+        leader = leader_source(shard)
+        fenced = leader.problem(shard.check_interval) if leader is not None else None
         if fenced is not None:
-            problems.append(fenced)
+            problems.append(fenced if shard is config else f"shard {name!r}: {fenced}")
     return problems
 
 
@@ -277,6 +278,8 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
             )
         mode, timeout = options[2], options[3]
         config = get_config(self.app)
+        if config.shards is not None:
+            config = config.for_key(lock_key(name), name)  # the name's own shard
         config.require_dsn()
         outer = current_lock()
         if (
