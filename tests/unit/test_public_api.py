@@ -23,6 +23,7 @@ CONTRACT = {
     "LockTimeout",
     "LockLost",
     "holder",
+    "shard_of",
 }
 
 
@@ -45,3 +46,8 @@ def test_error_without_a_message_uses_its_docstring() -> None:
 
 def test_current_lock_is_none_outside_a_task() -> None:
     assert pglock_celery.current_lock() is None
+
+
+def test_shard_of_names_the_default_shard_without_shards() -> None:
+    assert pglock_celery.shard_of("tenant:1") == "default"
+    assert pglock_celery.shard_of(pglock_celery.lock_key("tenant:1")) == "default"
