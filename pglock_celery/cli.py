@@ -16,12 +16,12 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
 from . import __version__, sql
-from .doctor import read_settings, run_checks
+from .doctor import Finding, read_settings, run_checks
 from .dsn import describe_target, dsn_problem, redact
 from .exceptions import PglockError
 from .guard import (
@@ -33,6 +33,10 @@ from .guard import (
 )
 from .inspect import Holder, list_holders
 from .keys import lock_key
+from .shards import Shard
+
+if TYPE_CHECKING:
+    from .config import PglockConfig
 
 CLI_APPLICATION_NAME = "pglock-celery-cli"
 
@@ -43,6 +47,54 @@ class UsageError(Exception):
 
 def _dsn(args: argparse.Namespace) -> str:
     return _usable_dsn(args.dsn or _app_dsn(args) or os.environ.get("PGLOCK_DSN"))
+
+
+def _targets(args: argparse.Namespace) -> list[tuple[str | None, str]]:
+    """The databases a command works on, each with its shard's name (None: no shards).
+
+    ``--dsn`` alone; else every shard of ``pglock_shards`` (the app's, or the
+    environment's), or the one ``--shard`` names; else ``pglock_dsn``.
+    """
+    wanted = getattr(args, "shard", None)
+    if args.dsn:
+        if wanted:
+            raise UsageError("--dsn and --shard: give one or the other")
+        return [(None, _usable_dsn(args.dsn))]
+    shards = _shards(args)
+    if shards is None:
+        if wanted:
+            raise UsageError(f"--shard {wanted!r}: no pglock_shards is set")
+        return [(None, _dsn(args))]
+    chosen = [shard for shard in shards if wanted in (None, shard.name)]
+    if not chosen:
+        names = ", ".join(shard.name for shard in shards)
+        raise UsageError(f"--shard {wanted!r}: pglock_shards names {names}")
+    return [(shard.name, _usable_dsn(shard.dsn)) for shard in chosen]
+
+
+def _shards(args: argparse.Namespace) -> tuple[Shard, ...] | None:
+    """The app's (or else the environment's) pglock_shards, or None."""
+    config = _sharded_settings(args)
+    return None if config is None else config.shards
+
+
+def _sharded_settings(args: argparse.Namespace) -> PglockConfig | None:
+    """The app's (or else the environment's) settings when they set pglock_shards."""
+    from .config import get_config, load_config
+
+    app = _app(args)
+    try:
+        config = get_config(app) if app is not None else load_config(None)
+    except PglockError as exc:
+        if "shard" in str(exc).lower():
+            raise UsageError(str(exc)) from None
+        return None  # another setting is invalid: the doctor reports it
+    return config if config.shards is not None else None
+
+
+def _headed(shard: str | None, dsn: str) -> str:
+    """The line that starts a shard's part of a command's output."""
+    return f"shard {shard} ({describe_target(dsn)}):"
 
 
 def _usable_dsn(dsn: str | None) -> str:
@@ -86,23 +138,33 @@ def _shown_name(holder: Holder) -> str:
 
 
 def cmd_locks(args: argparse.Namespace) -> int:
-    dsn = _dsn(args)
-    with connect(dsn) as conn:
-        now = conn.execute(sql.SERVER_NOW).fetchone()[0]  # type: ignore[index]
-        holders = [
-            h
-            for h in list_holders(conn)
-            if not args.prefix or (h.name or "").startswith(args.prefix)
-        ]
+    found: list[tuple[str | None, Holder, dt.datetime]] = []
+    targets = _targets(args)
+    for shard, dsn in targets:
+        with connect(dsn) as conn:
+            now = conn.execute(sql.SERVER_NOW).fetchone()[0]  # type: ignore[index]
+            found.extend(
+                (shard, h, now)
+                for h in list_holders(conn)
+                if not args.prefix or (h.name or "").startswith(args.prefix)
+            )
+    sharded = any(shard is not None for shard, _ in targets)
     if args.json:
-        rows = [{**h.as_dict(), "age": _age(_since(h), now)} for h in holders]
+        rows = [
+            {**({"shard": shard} if sharded else {}), **h.as_dict(), "age": _age(_since(h), now)}
+            for shard, h, now in found
+        ]
         print(json.dumps(rows, indent=2))
         return 0
     # Since when each lock is held: its grant time where its session records it (a
     # library holder's); else the session's start, marked "~" (a bound, not the time).
-    columns = ("LOCK", "KEY", "HOST", "PID", "TASK ID", "CLIENT", "LOCKED SINCE", "AGE", "STATE")
+    columns: tuple[str, ...] = (
+        "LOCK", "KEY", "HOST", "PID", "TASK ID", "CLIENT", "LOCKED SINCE", "AGE", "STATE"
+    )  # fmt: skip
+    columns = ("SHARD", *columns) if sharded else columns
     table = [
         (
+            *((shard or "",) if sharded else ()),
             _shown_name(h),
             str(h.key),
             h.worker_host or "",
@@ -113,13 +175,14 @@ def cmd_locks(args: argparse.Namespace) -> int:
             _age(_since(h), now),
             h.state or "",
         )
-        for h in holders
+        for shard, h, now in found
     ]
     widths = [max(len(row[i]) for row in [columns, *table]) for i in range(len(columns))]
     for row in [columns, *table]:
         cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
         print("  ".join(cells).rstrip())
-    print(f"{len(holders)} advisory lock(s) held")
+    shards = f" on {len(targets)} shards" if sharded else ""
+    print(f"{len(found)} advisory lock(s) held{shards}")
     return 0
 
 
@@ -136,6 +199,9 @@ def cmd_key(args: argparse.Namespace) -> int:
     print(key)
     if args.verbose:
         print(f"pg_locks: classid = {classid} AND objid = {objid} AND objsubid = 1")
+        config = _sharded_settings(args)
+        if config is not None:
+            print(f"shard: {config.shard_of(key, args.name)}")
     return 0
 
 
@@ -144,19 +210,29 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     # valid settings still count, and the checks run all the same.
     app = _app(args)
     config, invalid = read_settings(app)
-    if invalid is not None and not (args.dsn or config.dsn):
-        raise UsageError(f"no database to check, and {invalid}")
-    dsn = _usable_dsn(args.dsn or config.dsn)
-    with connect(dsn):
-        pass  # unreachable, refused, bad password: one line and exit 2
-    findings = run_checks(
-        dsn, lock_sessions=args.lock_sessions, locks=args.locks, pooler=config.pooler, app=app
-    )
+    if config.shards is not None and not args.dsn:
+        targets = _targets(args)
+    else:
+        if invalid is not None and not (args.dsn or config.dsn):
+            raise UsageError(f"no database to check, and {invalid}")
+        targets = [(None, _usable_dsn(args.dsn or config.dsn))]
+    for _, dsn in targets:
+        with connect(dsn):
+            pass  # unreachable, refused, bad password: one line and exit 2
+    findings: list[Finding] = []
+    for shard, dsn in targets:
+        if shard is not None and not args.json:
+            print(_headed(shard, dsn))
+        found = run_checks(
+            dsn, lock_sessions=args.lock_sessions, locks=args.locks, pooler=config.pooler,
+            app=app, shard=shard,
+        )  # fmt: skip
+        if not args.json:
+            for finding in found:
+                print(finding.line())
+        findings.extend(found)
     if args.json:
         print(json.dumps([f.as_dict() for f in findings], indent=2))
-    else:
-        for finding in findings:
-            print(finding.line())
     failed = [f for f in findings if f.level == "fail"]
     if not args.json:
         print(f"{len(failed)} problem(s) found" if failed else "no problem found")
@@ -164,26 +240,34 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_guard_install(args: argparse.Namespace) -> int:
-    with connect(_dsn(args)) as conn:
-        install_guard(conn, args.table, args.lock)
-        children = inheritance_children(conn, args.table)
-    print(f"guarded {args.table}: a write to a row needs the lock {args.lock}")
-    if children:
-        print(f"and its inheritance children, with the same lock: {', '.join(children)}")
+    for shard, dsn in _targets(args):
+        if shard is not None:
+            print(_headed(shard, dsn))
+        with connect(dsn) as conn:
+            install_guard(conn, args.table, args.lock)
+            children = inheritance_children(conn, args.table)
+        print(f"guarded {args.table}: a write to a row needs the lock {args.lock}")
+        if children:
+            print(f"and its inheritance children, with the same lock: {', '.join(children)}")
     return 0
 
 
 def cmd_guard_remove(args: argparse.Namespace) -> int:
-    with connect(_dsn(args)) as conn:
-        before = guarded_tables(conn)
-        remove_guard(conn, args.table)
-        left = {t.table for t in guarded_tables(conn)}
-    removed = [t for t in before if t.table not in left]
-    if not removed:
-        print(f"{args.table} had no guard: nothing removed")
-    else:
-        tables = ", ".join(t.table for t in removed)
-        print(f"removed the guard (lock {removed[0].lock_name}) of {tables}: writes need no lock")
+    for shard, dsn in _targets(args):
+        if shard is not None:
+            print(_headed(shard, dsn))
+        with connect(dsn) as conn:
+            before = guarded_tables(conn)
+            remove_guard(conn, args.table)
+            left = {t.table for t in guarded_tables(conn)}
+        removed = [t for t in before if t.table not in left]
+        if not removed:
+            print(f"{args.table} had no guard: nothing removed")
+        else:
+            tables = ", ".join(t.table for t in removed)
+            print(
+                f"removed the guard (lock {removed[0].lock_name}) of {tables}: writes need no lock"
+            )
     return 0
 
 
@@ -196,16 +280,33 @@ def _guard_state(table: GuardedTable) -> str:
 
 
 def cmd_guard_list(args: argparse.Namespace) -> int:
-    with connect(_dsn(args)) as conn:
-        tables = guarded_tables(conn)
+    found: list[tuple[str | None, GuardedTable]] = []
+    targets = _targets(args)
+    for shard, dsn in targets:
+        with connect(dsn) as conn:
+            found.extend((shard, table) for table in guarded_tables(conn))
+    sharded = any(shard is not None for shard, _ in targets)
     if args.json:
-        print(json.dumps([{**vars(t), "state": _guard_state(t)} for t in tables], indent=2))
+        listed = [
+            {**({"shard": shard} if sharded else {}), **vars(t), "state": _guard_state(t)}
+            for shard, t in found
+        ]
+        print(json.dumps(listed, indent=2))
         return 0
-    rows = [("TABLE", "LOCK", "STATE"), *((t.table, t.lock_name, _guard_state(t)) for t in tables)]
-    widths = [max(len(row[i]) for row in rows) for i in range(2)]
-    for table, lock, state in rows:
-        print(f"{table.ljust(widths[0])}  {lock.ljust(widths[1])}  {state}")
-    print(f"{len(tables)} guarded table(s)")
+    head: tuple[str, ...] = ("TABLE", "LOCK", "STATE")
+    head = ("SHARD", *head) if sharded else head
+    rows = [
+        head,
+        *(
+            (*((shard or "",) if sharded else ()), t.table, t.lock_name, _guard_state(t))
+            for shard, t in found
+        ),
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        print("  ".join([*cells, row[-1]]))
+    print(f"{len(found)} guarded table(s)" + (f" on {len(targets)} shards" if sharded else ""))
     return 0
 
 
@@ -263,6 +364,10 @@ def build_parser(prog: str = "pglock-celery") -> argparse.ArgumentParser:
     listing.set_defaults(run=cmd_guard_list)
     for command in (install, remove, listing):
         command.add_argument("--dsn", help="the database (default: PGLOCK_DSN)")
+    for command in (locks, doctor, install, remove, listing):
+        command.add_argument(
+            "--shard", help="with pglock_shards: this shard only (default: every shard)"
+        )
     return parser
 
 

@@ -45,6 +45,8 @@ class Finding:
     level: str  # "ok", "warn" or "fail"
     message: str
     fix: str = ""
+    #: The shard of pglock_shards the finding is about (None: no shards).
+    shard: str | None = None
 
     def line(self) -> str:
         mark = {"ok": "[ok]  ", "warn": "[warn]", "fail": "[FAIL]"}[self.level]
@@ -52,7 +54,10 @@ class Finding:
         return f"{text}\n         fix: {self.fix}" if self.fix else text
 
     def as_dict(self) -> dict[str, str]:
-        return asdict(self)
+        found = asdict(self)
+        if found["shard"] is None:
+            del found["shard"]  # without shards, the JSON is what it always was
+        return found
 
 
 def _show(conn: psycopg.Connection, name: str) -> str:
@@ -850,6 +855,7 @@ def run_checks(
     locks: int = 0,
     pooler: str = "none",
     app: Celery | None = None,
+    shard: str | None = None,
 ) -> list[Finding]:
     """Run every check against ``dsn`` and return the findings in order.
 
@@ -859,10 +865,14 @@ def run_checks(
     session-mode pooler, whose reset of server connections is tried out, unless the
     pooler turns out to be in transaction mode). ``app``: the Celery app whose settings
     are checked (default: the current app; the PGLOCK_* variables in either case). With
-    ``pglock_patroni_url`` set, the leader fence is checked too (fence_checks).
+    ``pglock_patroni_url`` set, the leader fence is checked too (fence_checks). With
+    ``shard``, ``dsn`` is that shard's of ``pglock_shards``, and so is the fence, and
+    each finding names the shard.
     """
     prefix = PglockConfig().application_name
     config, invalid = read_settings(app)
+    if shard is not None and config.shards is not None:
+        config = config.for_shard(shard)
     urls = config.patroni_url or ()
     findings: list[Finding] = []
     with _doctor_connect(dsn) as conn:
@@ -891,4 +901,6 @@ def run_checks(
             checks.append(lambda: fence_checks(dsn, urls, config.check_interval))
         for check in checks:
             findings.extend(check())
+    if shard is not None:
+        findings = [dataclasses.replace(f, shard=shard) for f in findings]
     return findings
