@@ -20,9 +20,9 @@ class Run:
     finished: dt.datetime | None
 
 
-def create_history(dsn: str) -> str:
-    """Create a fresh history table and return its name."""
-    table = f"pglock_history_{uuid.uuid4().hex[:12]}"
+def create_history(dsn: str, table: str | None = None) -> str:
+    """Create a fresh history table (named ``table``, or a new name) and return its name."""
+    table = table or f"pglock_history_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             f"CREATE TABLE {table} ("
