@@ -288,6 +288,9 @@ class PglockConfig:
     shards: tuple[Shard, ...] | None = dataclasses.field(default=None, repr=False)
     #: Places a lock name on a shard before the hash does (shards.py).
     shard_rule: Rule | None = dataclasses.field(default=None, repr=False)
+    #: During a change of the shards: the map the fleet moves from. A name whose
+    #: database differs between the two maps is locked on both, this one's first.
+    shards_previous: tuple[Shard, ...] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         """Refuse a value that no lock session could use, as load_config does.
@@ -382,7 +385,9 @@ class PglockConfig:
         # A DSN named is one database: no shards, whatever the settings spread.
         object.__setattr__(config, "shards", None)
         object.__setattr__(config, "shard_rule", None)
-        config.__dict__.pop("_placed", None)
+        object.__setattr__(config, "shards_previous", None)
+        for attribute in ("_placed", "_previous"):
+            config.__dict__.pop(attribute, None)
         return config
 
     def shard_of(self, key: int, name: str | None = None) -> str:
@@ -423,6 +428,24 @@ class PglockConfig:
                 return str(chosen)
         return rendezvous(key, names)
 
+    def previous_for_key(self, key: int, name: str | None = None) -> PglockConfig | None:
+        """During a change of the shards (``pglock_shards_previous``): the configuration
+        of the lock's shard in the previous map when its database is not the one of
+        its shard now (a moving name, locked on both); else None."""
+        if self.shards_previous is None:
+            return None
+        before = self.__dict__.get("_previous")
+        if before is None:
+            before = copy.copy(self)
+            for attribute in ("_placed", "_shard_configs", "_previous"):
+                before.__dict__.pop(attribute, None)
+            object.__setattr__(before, "shards", self.shards_previous)
+            object.__setattr__(before, "shards_previous", None)
+            self.__dict__["_previous"] = before
+        then, now = before.for_key(key, name), self.for_key(key, name)
+        same = (then.dsn, then.patroni_url) == (now.dsn, now.patroni_url)
+        return None if same else then
+
     def for_key(self, key: int, name: str | None = None) -> PglockConfig:
         """The configuration of the shard the lock ``key`` (named ``name``) lives on:
         this one without shards."""
@@ -459,8 +482,16 @@ _MOST_PLACED = 65536
 def _refuse_mixed_shards(config: PglockConfig) -> None:
     """pglock_shards names every lock database: with it, no other setting names one."""
     if config.shards is None:
-        if config.shard_rule is not None:
-            raise ConfigurationError("pglock_shard_rule is set without pglock_shards")
+        alone = [
+            setting
+            for setting, value in (
+                ("pglock_shard_rule", config.shard_rule),
+                ("pglock_shards_previous", config.shards_previous),
+            )
+            if value is not None
+        ]
+        if alone:
+            raise ConfigurationError(f"{alone[0]} is set without pglock_shards")
         return
     for setting, value in (
         ("pglock_dsn", config.dsn),
@@ -544,6 +575,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "database": _database,
     "shards": parse_shards,
     "shard_rule": parse_rule,
+    "shards_previous": parse_shards,
 }
 
 #: Every setting: (app.conf key, environment variable, default).
@@ -597,7 +629,8 @@ def load_config(conf: Any, environ: dict[str, str] | None = None) -> PglockConfi
         except (TypeError, ValueError) as exc:
             if source == key:
                 source = _written_as(conf, key)
-            shown = "<hidden>" if field.name in ("dsn", "patroni_url", "shards") else repr(raw)
+            hidden = ("dsn", "patroni_url", "shards", "shards_previous")
+            shown = "<hidden>" if field.name in hidden else repr(raw)
             problems.append(f"{source}={shown}: {exc}")
     if problems:
         if len(problems) == 1:
@@ -694,6 +727,7 @@ def _mask_in_celery_reports() -> None:
     hidden = getattr(celery.app.utils, "HIDDEN_SETTINGS", None)
     if isinstance(hidden, re.Pattern) and not hidden.search("celery_pglock_dsn"):
         extended = re.compile(f"{hidden.pattern}|(?i:PGLOCK_DSN|PGLOCK_SHARDS)", hidden.flags)
+        # (PGLOCK_SHARDS matches PGLOCK_SHARDS_PREVIOUS too.)
         # setattr: celery-types does not declare HIDDEN_SETTINGS.
         setattr(celery.app.utils, "HIDDEN_SETTINGS", extended)  # noqa: B010
 

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from contextvars import ContextVar
 from types import TracebackType
@@ -83,6 +84,7 @@ class AdvisoryLock:
             self.name = None
             self.key = check_key(name_or_key)
             cached = True
+        previous = config.previous_for_key(self.key, self.name)
         config = config.for_key(self.key, self.name)
         self.config = config
         """The pglock settings the lock was made with (its DSN among them), its
@@ -103,6 +105,15 @@ class AdvisoryLock:
         self._released_loss: Loss | None = None
         #: Where the session of the last acquire came from.
         self._source: Source = registry.by_config.get(config) or registry.source(config)
+        #: While the shards change (pglock_shards_previous), a moving name's lock on its
+        #: previous shard: taken first and let go last, so that workers on either map
+        #: exclude this one (shards.py). Its loss is this lock's.
+        self._previous: AdvisoryLock | None = None
+        if previous is not None:
+            self._previous = AdvisoryLock(
+                name_or_key, config=previous, wait=wait, timeout=timeout, task_id=task_id,
+                on_lost=self._previous_lost,
+            )  # fmt: skip
         self._finalizer: weakref.finalize[Any, Any] | None = None
         # The thread (and greenlet) that acquired it: the only one that runs its body.
         self._owner: tuple[int, int] | None = None
@@ -125,6 +136,7 @@ class AdvisoryLock:
             and hold.granted
             and hold.session is not None
             and hold.session.pid == os.getpid()
+            and (self._previous is None or self._previous.acquired)
         )
 
     @property
@@ -186,16 +198,48 @@ class AdvisoryLock:
         this acquire is over, and a lock it took is let go first (nothing of it
         stays held).
         """
+        previous = self._previous
+        if previous is None:
+            return self._acquire_here(self._timeout)
+        # A moving name: its previous shard first, always (one order for every worker).
+        started = time.monotonic()
+        if not previous.acquire():
+            return False
+        left = self._timeout
+        if left is not None:
+            left = max(0.0, left - (time.monotonic() - started))
+        granted = False
+        try:
+            granted = self._acquire_here(left)
+        finally:
+            if not granted:
+                with contextlib.suppress(PglockError):
+                    previous.release()
+        if previous.loss is not None:  # lost while this one was taken: no lock
+            with contextlib.suppress(PglockError):
+                self.release(reusable=False)
+            raise LockLost(f"lock {self.label} was granted but not valid: {previous.loss}")
+        return granted
+
+    def _previous_lost(self, hold: Hold, loss: Loss) -> None:
+        """The lock on the previous shard was lost: so is this one (reported once)."""
+        own = self._hold
+        if own is not None and own.granted and not own.ended and own.lost is None:
+            own.mark_lost(Loss(loss.kind, f"on its previous shard: {loss.detail}"))
+        elif self._on_lost is not None:
+            self._on_lost(hold, loss)
+
+    def _acquire_here(self, timeout: float | None) -> bool:
         try:
             with library_code():
-                return self._acquire()
+                return self._acquire(timeout)
         except LockLost:
             if self._hold is not None and self._hold.granted:
                 with contextlib.suppress(PglockError):
                     self.release(reusable=False)
             raise
 
-    def _acquire(self) -> bool:
+    def _acquire(self, timeout: float | None) -> bool:
         if self._hold is not None:
             if self._hold.granted:
                 raise RuntimeError(f"lock {self.label} is already held by this object")
@@ -213,7 +257,7 @@ class AdvisoryLock:
             config=self.config,
             on_lost=self._on_lost,
         )
-        granted = source.acquire(hold, wait=self._wait, timeout=self._timeout)
+        granted = source.acquire(hold, wait=self._wait, timeout=timeout)
         if granted and source.fence is not None:
             loss = source.leader_problem(hold.session)
             if loss is not None:  # a lock on a server that may not lead is no lock
@@ -260,6 +304,8 @@ class AdvisoryLock:
             if loss is not None:
                 hold.mark_lost(loss)
                 return False
+            if self._previous is not None and not self._previous.held():
+                return False  # its loss is this lock's now (_previous_lost)
             return not hold.session.closed
 
     def ensure_held(self) -> None:
@@ -291,7 +337,11 @@ class AdvisoryLock:
         the session is the parent's.
         """
         with library_code():
-            self._release(reusable)
+            try:
+                self._release(reusable)
+            finally:
+                if self._previous is not None:
+                    self._previous.release(reusable)
 
     def _release(self, reusable: bool) -> None:
         hold, self._hold = self._hold, None

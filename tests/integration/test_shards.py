@@ -11,7 +11,13 @@ import pytest
 from celery import Celery
 from psycopg.conninfo import make_conninfo
 
-from pglock_celery import AdvisoryLock, LockUnavailable, TenantLockedTask, current_lock
+from pglock_celery import (
+    AdvisoryLock,
+    LockLost,
+    LockUnavailable,
+    TenantLockedTask,
+    current_lock,
+)
 from pglock_celery.config import PglockConfig
 from pglock_celery.keys import lock_key
 from pglock_celery.shards import parse_shards
@@ -132,3 +138,77 @@ def test_a_task_takes_its_lock_on_the_shard_of_its_name(three: dict[str, str]) -
             assert step.apply(args=(tenant,)).result != "ran"
         assert step.apply(args=(tenant,)).result == "ran"
         assert seen[tenant] == config.for_key(lock_key(f"shard-task:{tenant}")).dsn
+
+
+def moving_name(before: PglockConfig, after: PglockConfig, prefix: str = "moving:") -> str:
+    """A fresh name whose shard's database differs between the two maps."""
+    while True:
+        name = f"{prefix}{uuid.uuid4().hex[:10]}"
+        key = lock_key(name)
+        if before.for_key(key, name).dsn != after.for_key(key, name).dsn:
+            return name
+
+
+@pytest.mark.parametrize("strategy", ["reuse", "connect", "shared"])
+def test_while_the_shards_change_a_moving_name_excludes_workers_on_either_map(
+    three: dict[str, str], strategy: str
+) -> None:
+    """From shards a, b to a, b, c: with pglock_shards_previous, a moving name is locked
+    on its previous shard first, then on its new one, so a holder on the previous map
+    and a holder on the new map each keep the transition's lock out, and it holds both."""
+    two = {"a": three["a"], "b": three["b"]}
+    old = sharded(two, strategy=strategy)
+    new = sharded(three, strategy=strategy)
+    moving = PglockConfig(
+        shards=parse_shards(three), shards_previous=parse_shards(two), strategy=strategy
+    )
+    name = moving_name(old, new)
+    then, now = old.for_key(lock_key(name), name).dsn, new.for_key(lock_key(name), name).dsn
+    for holder in (old, new):
+        with AdvisoryLock(name, config=holder) as held:
+            assert held.acquired
+            assert not AdvisoryLock(name, config=moving).acquire()
+        # Nothing of the refused transition lock stays held, on either shard.
+        assert free_elsewhere(then, name) and free_elsewhere(now, name)
+    with AdvisoryLock(name, config=moving) as both:
+        assert both.acquired and both.held()
+        assert not free_elsewhere(then, name) and not free_elsewhere(now, name)
+        for holder in (old, new):
+            assert not AdvisoryLock(name, config=holder).acquire()
+        assert both.config.dsn == now  # its connection is on the new shard
+    assert free_elsewhere(then, name) and free_elsewhere(now, name)
+
+
+def test_a_name_that_stays_put_is_locked_once_while_the_shards_change(
+    three: dict[str, str],
+) -> None:
+    two = {"a": three["a"], "b": three["b"]}
+    old, new = sharded(two), sharded(three)
+    moving = PglockConfig(shards=parse_shards(three), shards_previous=parse_shards(two))
+    while True:
+        name = f"staying:{uuid.uuid4().hex[:10]}"
+        if old.for_key(lock_key(name), name).dsn == new.for_key(lock_key(name), name).dsn:
+            break
+    assert moving.previous_for_key(lock_key(name), name) is None
+    with AdvisoryLock(name, config=moving) as held:
+        assert held.acquired and held._previous is None
+
+
+def test_losing_the_previous_shards_lock_is_losing_the_lock(three: dict[str, str]) -> None:
+    two = {"a": three["a"], "b": three["b"]}
+    moving = PglockConfig(
+        shards=parse_shards(three), shards_previous=parse_shards(two), check_interval=0.2
+    )
+    name = moving_name(sharded(two), sharded(three))
+    then = sharded(two).for_key(lock_key(name), name).dsn
+    held = AdvisoryLock(name, config=moving)
+    assert held.acquire()
+    previous = held._previous
+    assert previous is not None and previous.backend_pid is not None
+    scalar(then, "SELECT pg_terminate_backend(%s)", (previous.backend_pid,))
+    with pytest.raises(LockLost, match="on its previous shard"):
+        held.sleep(10)
+    assert held.loss is not None and not held.held()
+    with pytest.raises(LockLost):  # a lost lock's release says so
+        held.release()
+    assert free_elsewhere(moving.for_key(lock_key(name), name).dsn, name)
