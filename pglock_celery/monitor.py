@@ -117,9 +117,10 @@ class Hold:
         #: the source, reported by the lock once the release has ended the session's use.
         self.found_at_release: Loss | None = None
         self.ended = False
-        #: When a check first saw the session's backend wait for synchronous
-        #: replication (time.monotonic()), in the wait going on; None otherwise.
-        self.replication_wait_seen: float | None = None
+        #: The statement (its start, as the server gives it) whose commit a check first
+        #: saw wait for synchronous replication, and when (time.monotonic()); None
+        #: while no commit waits.
+        self.replication_wait_seen: tuple[bytes, float] | None = None
         #: The holder's connection (dedicated) or its transaction's (shared).
         self.handle: psycopg.Connection[Any] | None = None
         # Set at release or loss; made only when someone waits (most holds end unwatched).

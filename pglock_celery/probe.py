@@ -78,9 +78,10 @@ class Probe:
         # One question at a time on the probe's session.
         self._mutex = threading.Lock()
 
-    def judge(self, session: LockSession, key: int | None) -> tuple[Loss | None, bool]:
-        """The server's verdict on ``session`` (and on ``key``, when it holds one), and
-        whether its backend waits for synchronous replication (a commit of its own)."""
+    def judge(self, session: LockSession, key: int | None) -> tuple[Loss | None, bytes | None]:
+        """The server's verdict on ``session`` (and on ``key``, when it holds one), and,
+        when its backend waits for synchronous replication (a commit), which statement
+        waits (its start: one wait from two checks that see the same)."""
         assert session.server_started is not None and session.backend_started is not None
         params = (
             str(session.server_started).encode(),
@@ -91,18 +92,19 @@ class Probe:
         try:
             result = self._ask(sql.PROBE, params)
         except (psycopg.Error, LockUnavailable) as exc:
-            return self._unanswered(exc), False
+            return self._unanswered(exc), None
         same_server, waits_for, key_free = (result.get_value(0, n) for n in range(3))
         if same_server != b"t":
             return session_ended(
                 "the lock session's server was restarted (its start time changed), "
                 "which ends every session"
-            ), False
+            ), None
         if waits_for is None:
-            return session_ended("the server no longer has the lock session's backend"), False
+            return session_ended("the server no longer has the lock session's backend"), None
         if key_free == b"t":
-            return lock_gone("the server shows the lock free while its session is busy"), False
-        return None, waits_for == b"SyncRep"
+            return lock_gone("the server shows the lock free while its session is busy"), None
+        event, _, statement = waits_for.partition(b" ")
+        return None, (statement if event == b"SyncRep" else None)
 
     def end_backend(self, session: LockSession, timeout: float) -> bool:
         """End ``session``'s backend on the server and wait up to ``timeout`` s for it to exit.

@@ -228,8 +228,9 @@ END_BACKEND: Statement = (
 #: The server's own view of a lock session that is busy (a holder's statement,
 #: pipeline, COPY or transaction), asked on a session of its own (probe.py): the same
 #: server (its start, in microseconds since 1970), what the session's backend waits
-#: for ('' for nothing; NULL when that backend, by its pid and start, is gone:
-#: 'SyncRep' is a commit waiting for synchronous replication), and its key not free (a
+#: for and since when its statement runs ('<wait_event> <query_start>', the event ''
+#: for nothing; NULL when that backend, by its pid and start, is gone: 'SyncRep' is a
+#: commit waiting for synchronous replication), and its key not free (a
 #: shared pin, tried, is refused while anyone holds the key: granted, it proves the key
 #: free; NULL for a session that waits). $1 server start, $2 backend pid, $3 backend
 #: start, $4 key or NULL.
@@ -237,7 +238,8 @@ PROBE: Statement = (
     b"pglock_probe",
     b"SELECT (EXTRACT(epoch FROM pg_catalog.pg_postmaster_start_time())"
     b" * 1000000)::pg_catalog.int8 = $1::pg_catalog.int8,"
-    b" (SELECT COALESCE(a.wait_event, '')"
+    b" (SELECT COALESCE(a.wait_event, '') || ' '"
+    b" || COALESCE((EXTRACT(epoch FROM a.query_start) * 1000000)::pg_catalog.int8::text, '')"
     b" FROM pg_catalog.pg_stat_get_activity($2::pg_catalog.int4) AS a"
     b" WHERE (EXTRACT(epoch FROM a.backend_start) * 1000000)::pg_catalog.int8"
     b" = $3::pg_catalog.int8),"

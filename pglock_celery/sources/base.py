@@ -118,14 +118,17 @@ def fenced_transaction(
         raise LockLost(f"lock {hold.label} was lost: {hold.lost or loss}")
 
 
-def _replication_wait(hold: Hold, bound: float) -> Loss | None:
-    """A holder's commit waits for synchronous replication: a loss once it has waited
-    ``bound`` seconds since a check first saw it (the holder learns; the backend goes
-    on waiting, holding the lock, until replication returns or it is ended)."""
+def _replication_wait(hold: Hold, statement: bytes, bound: float) -> Loss | None:
+    """A holder's commit (of the statement that started at ``statement``) waits for
+    synchronous replication: a loss once that same statement has waited ``bound``
+    seconds since a check first saw it wait (the holder learns; the backend goes on
+    waiting, holding the lock, until replication returns or it is ended). Commits
+    that each wait a moment are new statements: none adds to another's wait."""
     now = time.monotonic()
-    if hold.replication_wait_seen is None:
-        hold.replication_wait_seen = now
-    waited = now - hold.replication_wait_seen
+    seen = hold.replication_wait_seen
+    if seen is None or seen[0] != statement:
+        seen = hold.replication_wait_seen = (statement, now)
+    waited = now - seen[1]
     if waited < bound:
         return None
     return Loss(
@@ -337,11 +340,11 @@ class Source(abc.ABC):
             return session_ended("the lock session failed: the server closed it")
         if session.pid != os.getpid() or session.backend_started is None:
             return None  # a parent's session; behind a pooler the server's view is not ours
-        loss, replicating = self._probe(session).judge(session, hold.key if hold.granted else None)
-        if loss is not None or not replicating:
+        loss, waiting = self._probe(session).judge(session, hold.key if hold.granted else None)
+        if loss is not None or waiting is None:
             hold.replication_wait_seen = None
             return loss
-        return _replication_wait(hold, session.statement_deadline)
+        return _replication_wait(hold, waiting, session.statement_deadline)
 
     def _probe(self, session: LockSession) -> Probe:
         where = server_of(session)

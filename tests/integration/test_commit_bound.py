@@ -13,6 +13,8 @@ is found by the checks once it has waited as long, and the body is told the same
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,3 +108,65 @@ def test_a_commit_of_the_bodys_own_waiting_on_replication_interrupts_the_body(
     replication_returns(waiting_server)
     wait_until(lambda: written(waiting_server, name), 30, "the waiting commit to end")
     wait_until(lambda: free_elsewhere(waiting_server.dsn, name), 30, "the name to be free")
+
+
+@pytest.fixture
+def slow_standby(tmp_path: Path) -> Iterator[EmbeddedPostgres]:
+    """A server whose commits each wait 0.3 s for 'the standby': a thread ends each
+    wait then (pg_cancel_backend on a wait for replication gives the commit back,
+    committed, as a standby's acknowledgement would)."""
+    server = EmbeddedPostgres(tmp_path / "pg")
+    server.init("synchronous_standby_names = 'standby'")
+    server.start()
+    stop = threading.Event()
+
+    def acknowledge() -> None:
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            while not stop.wait(0.02):  # the standby's pace
+                conn.execute(
+                    "SELECT pg_cancel_backend(pid) FROM pg_stat_activity"
+                    " WHERE wait_event = 'SyncRep' AND now() - query_start > '0.3 s'"
+                )
+
+    try:
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            conn.execute("SET synchronous_commit = off")
+            conn.execute("CREATE TABLE writes (name text NOT NULL)")
+        standby = threading.Thread(target=acknowledge, daemon=True)
+        standby.start()
+        yield server
+        stop.set()
+        standby.join(10)
+    finally:
+        stop.set()
+        server.destroy()
+
+
+@pytest.mark.parametrize("how", ["autocommit", "lock.transaction"])
+def test_commits_that_each_wait_a_moment_for_replication_keep_the_lock(
+    slow_standby: EmbeddedPostgres, how: str
+) -> None:
+    """Back to back for longer than the statement deadline, each commit waiting 0.3 s:
+    no wait lasts long, so the body keeps its lock (each commit is a wait of its own)."""
+    app = eager_app(slow_standby.dsn, "commit-bound-slow")
+    waits: list[float] = []
+
+    @app.task(base=TenantLockedTask, lock_name="commit-bound:{tenant}", shared=False)
+    def write(tenant: str) -> int:
+        lock = current_lock()
+        assert lock is not None
+        until = time.monotonic() + 2 * STATEMENT_DEADLINE
+        while time.monotonic() < until:
+            began = time.monotonic()
+            if how == "autocommit":
+                lock.connection.execute("INSERT INTO writes VALUES (%s)", (tenant,))
+            else:
+                with lock.transaction() as conn:
+                    conn.execute("INSERT INTO writes VALUES (%s)", (tenant,))
+            waits.append(time.monotonic() - began)
+        return len(waits)
+
+    result = write.apply(args=(uuid.uuid4().hex[:8],))
+    assert not isinstance(result.result, BaseException), result.result
+    assert result.result == len(waits) > 10
+    assert min(waits) >= 0.25  # every commit did wait for 'the standby'
