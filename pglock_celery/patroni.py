@@ -103,6 +103,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import email.utils
+import http.client
 import json
 import math
 import os
@@ -231,9 +232,12 @@ class Timing:
             raw = config.get(key, default)
             if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
                 raise ValueError(f"{key} in the dynamic configuration is not a number")
-            value = float(raw)
-            if not value > 0:
-                raise ValueError(f"{key} in the dynamic configuration is not positive")
+            try:
+                value = float(raw)
+            except (OverflowError, ValueError):
+                raise ValueError(f"{key} in the dynamic configuration is not a number") from None
+            if not math.isfinite(value) or not value > 0:
+                raise ValueError(f"{key} in the dynamic configuration is not a positive number")
             # The etcd lease gets int(ttl) seconds (AbstractEtcd.set_ttl, dcs/etcd.py).
             values[key] = float(math.floor(value)) if key == "ttl" else value
         return cls(**values)
@@ -375,10 +379,14 @@ class MemberClient:
         self._guard = threading.Lock()
         self._pool = None
 
-    def each(self, ask: Callable[[str], T]) -> list[T]:
-        """``ask(url)`` for every member at once, in the members' order."""
+    def until_decided(
+        self, ask: Callable[[str], T], decides: Callable[[T], bool]
+    ) -> list[tuple[str, T]]:
+        """``ask(url)`` of every member at once; the answers as they come, up to the
+        first that ``decides`` (the others are not waited for: a silent member does
+        not delay the one that runs the server), else all of them."""
         if len(self.urls) == 1:
-            return [ask(self.urls[0])]
+            return [(self.urls[0], ask(self.urls[0]))]
         with self._guard:
             if self._pool is None or self._pool[0] != os.getpid():
                 pool = concurrent.futures.ThreadPoolExecutor(
@@ -386,7 +394,13 @@ class MemberClient:
                 )
                 self._pool = (os.getpid(), pool)
             pool = self._pool[1]
-        return list(pool.map(ask, self.urls))
+        asked = {pool.submit(ask, url): url for url in self.urls}
+        answers: list[tuple[str, T]] = []
+        for done in concurrent.futures.as_completed(asked):
+            answers.append((asked[done], done.result()))
+            if decides(answers[-1][1]):
+                break
+        return answers
 
     def request(self, member: str, path: str) -> Answer:
         """GET ``path`` of ``member``, unless it let a request time out a moment ago."""
@@ -411,9 +425,11 @@ class MemberClient:
             status, headers = exc.code, exc.headers
             try:
                 raw = exc.read()
-            except OSError:
+            except (OSError, http.client.HTTPException):
                 raw = b""
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            # A reply cut short or not HTTP at all (IncompleteRead, BadStatusLine) is
+            # no answer, like a refused connection: never a confirmation, never raised.
             return Answer(0, None, None, _describe(exc), timed_out=_is_timeout(exc))
         date: float | None = None
         if headers is not None and headers.get("Date"):
@@ -577,12 +593,16 @@ class LeaderFence:
         return verdict
 
     def _search(self, server: ServerIdentity, timing: Timing) -> Confirmation:
-        """Ask every member at once; the one running ``server``'s postmaster decides."""
-        verdicts = self._client.each(lambda url: self._ask(url, server, timing))
-        for url, verdict in zip(self.urls, verdicts, strict=True):
-            if verdict.standing in (Standing.LEADER, Standing.NOT_LEADER):
-                return self._keep(server, url, verdict)
-        reasons = [v.reason for v in verdicts if v.standing is not Standing.ELSEWHERE]
+        """Ask every member at once; the first answer from the one running ``server``'s
+        postmaster decides, whatever the others do."""
+        answers = self._client.until_decided(
+            lambda url: self._ask(url, server, timing),
+            lambda verdict: verdict.standing in (Standing.LEADER, Standing.NOT_LEADER),
+        )
+        url, verdict = answers[-1]
+        if verdict.standing in (Standing.LEADER, Standing.NOT_LEADER):
+            return self._keep(server, url, verdict)
+        reasons = [v.reason for _, v in answers if v.standing is not Standing.ELSEWHERE]
         detail = "; ".join(dict.fromkeys(reasons)) if reasons else "none runs it"
         return Confirmation(
             False, 0.0,

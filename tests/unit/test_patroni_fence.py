@@ -6,6 +6,7 @@ tests/failover/test_leader_fence.py runs it against a real Patroni cluster.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -163,7 +164,8 @@ def test_patronis_defaults_fill_in_absent_keys_and_nonsense_is_refused() -> None
     assert Timing.from_config({}) == Timing(30, 10, 10)
     assert Timing.from_config({"ttl": "20", "loop_wait": 2}) == Timing(20, 2, 10)
     assert Timing.from_config({"ttl": 20.9}).ttl == 20  # the lease gets int(ttl)
-    for bad in ({"ttl": 0}, {"ttl": True}, {"loop_wait": [2]}, []):
+    for bad in ({"ttl": 0}, {"ttl": True}, {"loop_wait": [2]}, [], {"ttl": "1e400"},
+                {"ttl": 10**400}, {"loop_wait": "nan"}, {"retry_timeout": "inf"}):  # fmt: skip
         with pytest.raises(ValueError):
             Timing.from_config(bad)
 
@@ -405,3 +407,61 @@ def test_a_forked_child_asks_the_members_on_threads_and_a_mutex_of_its_own(
         os.waitpid(pid, 0)
         pytest.fail("the forked child's confirm hung")
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+@contextlib.contextmanager
+def silent_member() -> Iterator[str]:
+    """A member whose host accepts connections and never answers (cut off, paused)."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        yield f"http://127.0.0.1:{silent.getsockname()[1]}"
+    finally:
+        silent.close()
+
+
+def test_the_member_that_runs_the_server_decides_without_waiting_for_a_silent_one(
+    members: list[Member],
+) -> None:
+    """A first lock (the member running the server not known yet) asks every member:
+    the leader's answer decides as it comes, and its confirmation lasts its window."""
+    with silent_member() as silent:
+        fence = LeaderFence([members[0].url, silent], timeout=1.0)
+        sent = time.monotonic()
+        verdict = fence.confirm(SERVER)
+        answered = time.monotonic()
+    assert verdict.leader, verdict.reason
+    assert answered - sent < 0.9  # not the silent member's timeout
+    assert verdict.until >= sent + TIMING.window(fence.margin)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b'HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{"role": "primary"',  # cut short
+        b"SSH-2.0-OpenSSH_9.2\r\n",  # not HTTP at all
+    ],
+    ids=["cut-short", "not-http"],
+)
+def test_a_reply_that_is_not_whole_http_is_no_answer_never_an_error(reply: bytes) -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = server.accept()
+                with conn:
+                    conn.recv(4096)
+                    conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        fence = LeaderFence([f"http://127.0.0.1:{server.getsockname()[1]}"], timeout=1.0)
+        verdict = fence.confirm(SERVER)
+    finally:
+        server.close()
+    assert not verdict.leader
+    assert verdict.reason.startswith("cannot tell"), verdict.reason
