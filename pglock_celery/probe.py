@@ -46,17 +46,26 @@ from .session import FIELD_SEPARATOR, STATEMENT_DEADLINE, LockSession, open_sess
 logger = logging.getLogger("pglock_celery.lock")
 
 
-def server_of(session: LockSession) -> tuple[str, int]:
-    """The host (or socket directory) and port the session is connected to."""
+def server_of(session: LockSession) -> tuple[str, int, str]:
+    """The host (or socket directory), port and address the session is connected to
+    (the address '' over a Unix socket)."""
     info = session.conn.info
-    return info.host, int(info.port)
+    try:
+        address = info.hostaddr
+    except psycopg.NotSupportedError:  # a libpq older than 12
+        address = ""
+    return info.host, int(info.port), address
 
 
-def pinned_dsn(dsn: str, host: str, port: int) -> str:
-    """``dsn`` with its host list narrowed to one ``host`` and ``port`` (the rest kept)."""
+def pinned_dsn(dsn: str, host: str, port: int, address: str = "") -> str:
+    """``dsn`` with its host list narrowed to one ``host`` and ``port`` (the rest kept),
+    at the very ``address`` the session reached when given: a name that resolves
+    elsewhere (or not at all) would probe another server."""
     params = conninfo_to_dict(dsn)
     params.pop("hostaddr", None)
     params.update(host=host, port=str(port))
+    if address:
+        params["hostaddr"] = address
     return make_conninfo("", **params)
 
 
@@ -68,9 +77,10 @@ class Probe:
         config: PglockConfig,
         host: str,
         port: int,
+        address: str,
         opening: Callable[[PglockConfig], contextlib.AbstractContextManager[None]],
     ) -> None:
-        self._config = config.with_dsn(pinned_dsn(config.require_dsn(), host, port))
+        self._config = config.with_dsn(pinned_dsn(config.require_dsn(), host, port, address))
         self._prefix = f"{config.application_name}-probe{FIELD_SEPARATOR}"
         # The registry's opening() (a fork waits for a session being opened).
         self._opening = opening

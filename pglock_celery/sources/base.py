@@ -172,7 +172,7 @@ class Source(abc.ABC):
         #: Every session this source opened and has not closed (a fork closes them).
         self._sessions: set[LockSession] = set()
         #: The server's view of busy sessions, one probe per server (probe.py).
-        self._probes: dict[tuple[str, int], Probe] = {}
+        self._probes: dict[tuple[str, int, str], Probe] = {}
         #: With a leader source (leader.py): a session takes a lock only on a server
         #: confirmed as the cluster's leader, and a lock is valid only while it stays
         #: confirmed, afresh before each check when the last confirmation would not

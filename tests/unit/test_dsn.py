@@ -16,6 +16,7 @@ from pglock_celery.dsn import (
     redact,
     without_server,
 )
+from pglock_celery.probe import pinned_dsn
 
 #: The DSN of the finding: a URI password with an unencoded '/'. libpq reads it as host
 #: "postgres", port "Pw9x" and database "7Zq@127.0.0.1:1/db".
@@ -167,3 +168,13 @@ def test_a_server_is_left_out_of_a_host_list_with_the_rest_in_order(
 )
 def test_a_host_list_that_cannot_be_narrowed_gives_none(dsn: str, server: tuple[str, int]) -> None:
     assert without_server(dsn, *server) is None
+
+
+def test_a_probe_reaches_the_very_address_its_session_reached() -> None:
+    pinned = conninfo_to_dict(
+        pinned_dsn("host=db1,db2 hostaddr=10.0.0.1,10.0.0.2 port=5432 dbname=x", "db2", 5432,
+                   "10.0.0.2")
+    )  # fmt: skip
+    assert (pinned["host"], pinned["hostaddr"], pinned["port"]) == ("db2", "10.0.0.2", "5432")
+    over_socket = conninfo_to_dict(pinned_dsn("host=/run/pg dbname=x", "/run/pg", 5432, ""))
+    assert "hostaddr" not in over_socket and over_socket["host"] == "/run/pg"
