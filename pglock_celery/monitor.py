@@ -53,7 +53,7 @@ import psycopg
 
 from .config import PglockConfig
 from .exceptions import LockLost, lost_during_step
-from .loss import Loss
+from .loss import Loss, LossKind
 from .session import LockSession
 from .shield import running_body
 
@@ -76,6 +76,10 @@ class Source(Protocol):
 
     def check_interval(self, hold: Hold) -> float:
         """Seconds between two checks of ``hold``."""
+
+    def confirmed_until(self, hold: Hold) -> float | None:
+        """Until when ``hold``'s server is confirmed as its cluster's leader, without
+        any I/O (time.monotonic()); None when no leader source fences it."""
 
     def end_use(self, hold: Hold, loss: Loss) -> None:
         """End the holder's use of its session after ``loss``, never waiting for it."""
@@ -127,6 +131,8 @@ class Hold:
         self._changed: threading.Event | None = None
         self._next_check = 0.0
         self._checking = False
+        #: The monitor found its leader confirmation run out (handled once).
+        self._ran_out = False
         # Orders a loss against the end (never held across a statement: a holder's
         # statement may wait on a server that never answers).
         self._state = threading.Lock()
@@ -331,16 +337,44 @@ class Monitor:
                     [self.MAX_TICK]
                     + [hold.source.check_interval(hold) / 4 for hold in self._holds.values()]
                 )
+                # Found before the next pass is due: by then it would have run out.
+                ran_out = [
+                    hold
+                    for hold in self._holds.values()
+                    if not hold._ran_out
+                    and (until := hold.source.confirmed_until(hold)) is not None
+                    and now >= until - tick
+                ]
                 for hold in due:
                     hold._checking = True
                     self._due.put(hold)
                 backlog = self._due.qsize() - self._idle_checkers
                 started = self._start_checkers(backlog)
             self.free_abandoned()
+            for hold in ran_out:
+                self._run_out(hold)
             if due and not started and self._checkers == 0:
                 self._drain()  # no checker thread could start: check here meanwhile
             with cond:
                 cond.wait(tick)  # a hold that needs a quicker pace wakes it
+
+    def _run_out(self, hold: Hold) -> None:
+        """A fenced hold whose leader confirmation runs out before a check renewed it
+        (its checks held up: every checker busy, a request that trickles): lost now,
+        before the window closes, on a thread of its own (the holder's loss handler may
+        take a while, and this thread keeps time for every hold)."""
+        hold._ran_out = True
+        loss = Loss(
+            LossKind.CANNOT_TELL,
+            "its server's confirmation as the cluster's leader runs out before a check "
+            "could renew it (the checks were held up)",
+        )
+        try:
+            threading.Thread(
+                target=hold.mark_lost, args=(loss,), name="pglock-ran-out", daemon=True
+            ).start()
+        except RuntimeError:
+            hold.mark_lost(loss)  # no thread to spare: here, rather than not at all
 
     def _start_checkers(self, backlog: int) -> bool:
         """Start checker threads for ``backlog`` waiting holds, within the bound."""

@@ -410,6 +410,9 @@ class LockSession:
         self.statement_deadline = STATEMENT_DEADLINE
         #: The server the session is on, for the leader source (when configured).
         self.identity: ServerIdentity | None = None
+        #: Until when (time.monotonic()) the leader source last confirmed that the
+        #: session's server leads; None without a leader source.
+        self.confirmed_until: float | None = None
         #: When the session was opened (time.time(), just before its backend started).
         self.opened_at = time.time()
         # How to wait for the server: psycopg's own, or one gevent or eventlet can

@@ -179,6 +179,13 @@ class Source(abc.ABC):
         #: outlast the next one.
         self.fence: LeaderSource | None = leader_source(config)
 
+    def confirmed_until(self, hold: Hold) -> float | None:
+        """Until when ``hold``'s server is confirmed as the leader (time.monotonic());
+        None without a leader source. Read by the monitor without any I/O: a hold whose
+        confirmation runs out before a check renews it is lost, however the checks fare."""
+        session = hold.session
+        return None if self.fence is None or session is None else session.confirmed_until
+
     def check_interval(self, hold: Hold) -> float:
         """Seconds between checks of ``hold``: pglock_check_interval, or less under the
         fence when the cluster's timing needs it, so that every check finds a
@@ -210,6 +217,7 @@ class Source(abc.ABC):
         # Asked again once the answer is in: the first one reads the cluster's timing.
         fresh_for = self._fresh_for()
         if verdict.valid(for_at_least=fresh_for):
+            session.confirmed_until = verdict.until  # what the monitor holds it to
             return None
         if verdict.leader:
             return Loss(

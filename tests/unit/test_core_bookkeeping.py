@@ -67,6 +67,12 @@ class FakeSource:
     def check_interval(self, hold: Hold) -> float:
         return hold.config.check_interval
 
+    def confirmed_until(self, hold: Hold) -> float | None:
+        return self.fenced_until
+
+    #: What confirmed_until answers (None: not fenced).
+    fenced_until: float | None = None
+
     def checks_of(self, hold: Hold) -> int:
         return sum(1 for checked, _, _ in list(self.checked) if checked is hold)
 
@@ -786,3 +792,53 @@ def test_check_of_a_closed_session_is_a_session_ended(config: PglockConfig) -> N
     assert loss is not None
     assert loss.kind is LossKind.SESSION_ENDED
     assert loss.takes_the_session
+
+
+def test_a_fenced_hold_whose_checks_are_held_up_is_lost_before_its_confirmation_ends() -> None:
+    """Every check stuck (a frozen server's probe ahead of it, a trickling Patroni): the
+    hold's leader confirmation runs out all the same, and the monitor finds it lost
+    before its end without waiting for any check."""
+    monitor = quick_monitor()
+    unstuck = threading.Event()
+
+    def stuck(hold: Hold) -> Loss | None:
+        unstuck.wait(30)
+        return None
+
+    source = FakeSource(monitor, check=stuck)
+    told: list[tuple[float, Loss]] = []
+    hold = make_hold(
+        source, check_interval=0.1, on_lost=lambda h, loss: told.append((time.monotonic(), loss))
+    )
+    source.fenced_until = time.monotonic() + 0.5
+    monitor.watch(hold)
+    try:
+        assert eventually(lambda: bool(told), 5), "the hold was not found lost"
+        at, loss = told[0]
+        assert at <= source.fenced_until  # before the window closes
+        assert loss.kind is LossKind.CANNOT_TELL and "runs out" in loss.detail
+        assert ("end_use", loss) in source.calls
+    finally:
+        unstuck.set()
+        monitor.unwatch(hold)
+
+
+def test_a_fenced_hold_whose_checks_renew_its_confirmation_is_kept() -> None:
+    monitor = quick_monitor()
+
+    def renew(hold: Hold) -> Loss | None:
+        source.fenced_until = time.monotonic() + 0.5
+        return None
+
+    source = FakeSource(monitor, check=renew)
+    source.fenced_until = time.monotonic() + 0.5
+    hold = make_hold(source, check_interval=0.1)
+    monitor.watch(hold)
+    try:
+        kept_until = time.monotonic() + 1.5  # three confirmations' worth
+        while time.monotonic() < kept_until:
+            assert hold.lost is None, hold.lost
+            time.sleep(0.05)  # time has to pass: the checks renew meanwhile
+        assert source.checks_of(hold) >= 5
+    finally:
+        monitor.unwatch(hold)
