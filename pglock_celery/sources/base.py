@@ -247,9 +247,18 @@ class Source(abc.ABC):
         """
         if self.fence is None:
             return open_session(self.config, app_name)
-        config, refused = self.config, []
+        config, refused = self.config, list[str]()
         while True:
-            session = open_session(config, app_name, self.fence.identify)
+            try:
+                session = open_session(config, app_name, self.fence.identify)
+            except LockUnavailable as exc:
+                if not refused:
+                    raise
+                raise LockUnavailable(
+                    f"no server of {describe_target(self.config.require_dsn())} is confirmed "
+                    f"as {self.fence.name}'s leader, so no lock is taken: "
+                    + "; ".join([*refused, str(exc)])
+                ) from exc
             loss = self.leader_problem(session)
             if loss is None:
                 return session

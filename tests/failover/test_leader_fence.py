@@ -23,7 +23,7 @@ from pglock_celery.session import STATEMENT_DEADLINE
 from pglock_celery.task import configuration_problems
 from tests.support.locks import DEDICATED, STRATEGIES, eager_app, free_elsewhere, lock
 from tests.support.patroni import Member, PatroniCluster
-from tests.support.services import EmbeddedPostgres, wait_until
+from tests.support.services import EmbeddedPostgres, free_port, wait_until
 
 
 def identity(member: Member) -> ServerIdentity:
@@ -442,3 +442,20 @@ def test_a_commit_waiting_on_cut_replication_is_bounded_and_says_its_outcome_is_
             held.release()
     wait_until(written, 30, "the waiting commit to go through")
     wait_until(lambda: free_elsewhere(leader.dsn, name), 30, "the name to be free")
+
+
+def test_a_refused_server_is_named_when_the_next_host_cannot_be_reached(
+    patroni: PatroniCluster, outsider: EmbeddedPostgres
+) -> None:
+    leader_of(patroni)
+    closed = free_port()
+    dsn = make_conninfo(
+        outsider.dsn, host="127.0.0.1,127.0.0.1", port=f"{outsider.port},{closed}",
+        connect_timeout="2",
+    )  # fmt: skip
+    held = lock(dsn, f"fence-first:{uuid.uuid4().hex[:8]}", patroni_url=patroni.urls)
+    with pytest.raises(LockUnavailable) as refused:
+        held.acquire()
+    message = str(refused.value)
+    assert f"127.0.0.1:{outsider.port}: " in message, message  # refused, and why
+    assert f"127.0.0.1:{closed}" in message, message  # then unreachable
