@@ -5,6 +5,7 @@
 | ORCH_BROKER_URL           | redis://127.0.0.1:6379/0       |
 | ORCH_RESULT_BACKEND       | the broker URL                 |
 | PGLOCK_DSN                | host=127.0.0.1 dbname=postgres |
+| PGLOCK_SHARDS             | none (shard name -> DSN, JSON; replaces PGLOCK_DSN) |
 | ORCH_QUEUE                | pipelines                      |
 | ORCH_SCAN_INTERVAL        | 5 (seconds between beat scans) |
 | ORCH_SOFT_TIME_LIMIT      | 60 (seconds)                   |
@@ -38,7 +39,12 @@ task_time_limit = float(os.environ.get("ORCH_TIME_LIMIT", "90"))
 worker_prefetch_multiplier = 1
 worker_send_task_events = True
 
-pglock_dsn = os.environ.get("PGLOCK_DSN", "host=127.0.0.1 dbname=postgres")
+# With shards each tenant lives in its lock's shard's database (tasks/shards.py), and
+# pglock_dsn stays unset: the library refuses the two together.
+pglock_shards = os.environ.get("PGLOCK_SHARDS") or None
+pglock_dsn = (
+    None if pglock_shards else os.environ.get("PGLOCK_DSN", "host=127.0.0.1 dbname=postgres")
+)
 
 beat_schedule = {
     "scan-due-tenants": {

@@ -10,7 +10,9 @@ Every step is one ``advance_pipeline`` call under the lock
 ``current_lock().connection``, inside a transaction, so a step whose lock is
 gone cannot commit. The training service is external: reached through its
 own connection, with an idempotency key per (tenant, run, stage), so a step
-repeated after a crash finds the job it already started.
+repeated after a crash finds the job it already started. With shards, a
+tenant's rows and its training jobs live in its lock's shard's database
+(shards.py), and the scan reads every shard.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pglock_celery import TenantLockedTask, current_lock
 from . import training
 from .celery_app import app
 from .schema import STAGES, STOPPED
+from .shards import shard_dsns
 
 logger = get_task_logger(__name__)
 
@@ -207,7 +210,7 @@ def advance_pipeline(tenant_id: str) -> dict[str, Any]:
         return {"tenant": tenant_id, "outcome": STOPPED, "error": error}
     # Simulated work of the step itself (feature extraction, bookkeeping).
     conn.execute("SELECT pg_sleep(%s)", (_seconds("step_seconds"),))
-    dsn = str(app.conf.pglock_dsn)
+    dsn = lock.config.require_dsn()  # the database of the tenant's shard
     try:
         outcome, changes, due_in = _step(pipeline, dsn)
     except (LookupError, psycopg.Error) as exc:
@@ -226,13 +229,19 @@ def advance_pipeline(tenant_id: str) -> dict[str, Any]:
 
 @app.task
 def scan_due_tenants(limit: int = 10_000) -> int:
-    """Send one step per due tenant: beat's job. Duplicates only cost skips."""
-    with psycopg.connect(str(app.conf.pglock_dsn)) as conn:
-        due = conn.execute(
-            "SELECT tenant_id FROM pipelines WHERE stage <> %s AND next_due_at <= now()"
-            " ORDER BY next_due_at LIMIT %s",
-            (STOPPED, limit),
-        ).fetchall()
+    """Send one step per due tenant of every shard: beat's job. Duplicates only cost skips.
+
+    At most ``limit`` steps, the longest due first.
+    """
+    due: list[tuple[str, dt.datetime]] = []
+    for dsn in shard_dsns().values():
+        with psycopg.connect(dsn) as conn:
+            due += conn.execute(
+                "SELECT tenant_id, next_due_at FROM pipelines"
+                " WHERE stage <> %s AND next_due_at <= now() ORDER BY next_due_at LIMIT %s",
+                (STOPPED, limit),
+            ).fetchall()
+    due = sorted(due, key=lambda row: row[1])[:limit]
     # A step message older than a few scans is stale: a newer scan re-sent it.
     expires = max(10.0, 5 * float(app.conf.beat_schedule["scan-due-tenants"]["schedule"]))
     with app.producer_or_acquire() as producer:
@@ -240,6 +249,6 @@ def scan_due_tenants(limit: int = 10_000) -> int:
         # older kombu publishes them one by one.
         batch = getattr(producer, "batch", None)
         with batch(max_size=BATCH) if batch is not None else contextlib.nullcontext():
-            for (tenant_id,) in due:
+            for tenant_id, _ in due:
                 advance_pipeline.apply_async((tenant_id,), producer=producer, expires=expires)
     return len(due)

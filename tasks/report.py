@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psycopg
@@ -74,6 +76,16 @@ def summarize(conn: psycopg.Connection) -> Summary:
         overlaps=one(OVERLAPS),
         stopped=one("SELECT count(*) FROM pipelines WHERE stage = 'stopped'"),
     )
+
+
+def combine(parts: Sequence[Summary]) -> Summary:
+    """Several shards' summaries as one: each tenant lives on one shard, so counts add up."""
+    totals = {
+        field.name: sum(getattr(part, field.name) for part in parts)
+        for field in dataclasses.fields(Summary)
+    }
+    totals["min_cycles"] = min((part.min_cycles for part in parts if part.tenants), default=0)
+    return Summary(**totals)
 
 
 @dataclass(frozen=True)

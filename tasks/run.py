@@ -2,9 +2,10 @@
 
 It touches nothing of the user's. Postgres: the server of PGLOCK_DSN, else the
 local default, else an embedded one; on it a database of the demo's own
-(``--database``, ``pglock_demo``, created when missing), and in that database a
-schema it made (``--schema``; one it did not make is never dropped). Redis: the
-broker and result URLs given (``--broker``, ORCH_BROKER_URL, ORCH_RESULT_BACKEND),
+(``--database``, ``pglock_demo``, created when missing; with ``--shards N``, one
+per shard, ``pglock_demo_s1`` to ``pglock_demo_sN``), and in each a schema it
+made (``--schema``; one it did not make is never dropped). Redis: the broker and
+result URLs given (``--broker``, ORCH_BROKER_URL, ORCH_RESULT_BACKEND),
 else a database of its own, never 0, on the local or an embedded Redis. It seeds
 tenants, starts worker replicas, beat and Flower, waits until each one is up (a
 component that does not start ends the run with status 1), and shows each
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import json
 import os
 import random
 import re
@@ -40,6 +42,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from pglock_celery.dsn import describe_target
+from pglock_celery.shards import DEFAULT
 
 from . import fleet
 from .services import postgres_service, redis_service
@@ -108,16 +111,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the Redis database of the demo's own (default: the highest of 15 to 1 that is "
         "empty or already the demo's); not used when a broker URL is given",
     )
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="spread the tenants over this many databases of the demo's own (1), "
+        "DATABASE_s1 to DATABASE_sN, one shard of pglock_shards each",
+    )
     parser.add_argument("--plain", action="store_true", help="status lines, not a live view")
     args = parser.parse_args(argv)
-    if min(args.tenants, args.replicas, args.concurrency, args.beats) < 1:
-        parser.error("--tenants, --replicas, --concurrency and --beats must be at least 1")
+    if min(args.tenants, args.replicas, args.concurrency, args.beats, args.shards) < 1:
+        parser.error(
+            "--tenants, --replicas, --concurrency, --beats and --shards must be at least 1"
+        )
     for option, value in (("--schema", args.schema), ("--database", args.database)):
         if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", value):
             parser.error(f"{option} {value!r}: use lowercase letters, digits and _")
+    if max(map(len, shard_databases(args.database, args.shards).values())) > 63:
+        parser.error(f"--database {args.database!r}: too long for its shards' names")
     if args.redis_db is not None and not 1 <= args.redis_db <= 15:
         parser.error("--redis-db must be 1 to 15 (0 is left to the user)")
     return args
+
+
+def shard_databases(database: str, shards: int) -> dict[str, str]:
+    """The run's shards and their databases: ``database`` alone as the one shard, or
+    ``{database}_s1`` ... as shards s1 ..."""
+    if shards == 1:
+        return {DEFAULT: database}
+    return {f"s{n}": f"{database}_s{n}" for n in range(1, shards + 1)}
+
+
+def lock_settings(shards: dict[str, str]) -> dict[str, str]:
+    """The fleet's variables naming its databases: PGLOCK_DSN for one, else PGLOCK_SHARDS.
+
+    The other is set empty, so that one of the user's own never reaches the fleet.
+    """
+    if len(shards) == 1:
+        return {"PGLOCK_DSN": next(iter(shards.values())), "PGLOCK_SHARDS": ""}
+    return {"PGLOCK_DSN": "", "PGLOCK_SHARDS": json.dumps(shards)}
+
+
+def describe_databases(shards: dict[str, str]) -> str:
+    """Where the run works, for its first line (no password)."""
+    if len(shards) == 1:
+        return f"database {describe_target(next(iter(shards.values())))}"
+    where = ", ".join(f"{name} {describe_target(dsn)}" for name, dsn in shards.items())
+    return f"{len(shards)} shards: {where}"
 
 
 def schema_dsn(base_dsn: str, schema: str) -> str:
@@ -335,12 +375,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 results = demo_redis(server_url, args.redis_db)
             broker = args.broker or results
-            dsn = prepare_database(demo_database(server_dsn, args.database), args.schema)
+            # Shard name -> DSN: the one database, or one per shard.
+            shards = {
+                name: prepare_database(demo_database(server_dsn, database), args.schema)
+                for name, database in shard_databases(args.database, args.shards).items()
+            }
         except NotOurs as exc:
             print(f"make run: {exc}", file=sys.stderr)
             return 2
         env = {
-            "PGLOCK_DSN": dsn,
+            **lock_settings(shards),
             "ORCH_BROKER_URL": broker,
             "ORCH_RESULT_BACKEND": results,
             "ORCH_QUEUE": f"pipelines-{args.schema}",
@@ -352,12 +396,14 @@ def main(argv: list[str] | None = None) -> int:
         from .schema import apply_schema
         from .tenants import seed_tenants
 
-        apply_schema(dsn)
-        seed_tenants(dsn, [f"tenant-{n:03d}" for n in range(1, args.tenants + 1)])
+        for dsn in shards.values():
+            apply_schema(dsn)
+        # Each tenant into its shard's database, as the fleet's settings place it.
+        seed_tenants(None, [f"tenant-{n:03d}" for n in range(1, args.tenants + 1)])
         app.control.purge()
         app.backend.client.delete(*skip_keys(env["ORCH_QUEUE"]))
         print(
-            f"database {describe_target(dsn)}, broker {safe_url(broker)},"
+            f"{describe_databases(shards)}, broker {safe_url(broker)},"
             f" results {safe_url(results)}, logs in {logs}",
             flush=True,
         )
@@ -373,13 +419,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"Flower: {site.url} (user {site.user}, password {site.password})"
                     f" | {args.replicas} replicas, {args.beats} beat(s) up", flush=True,
                 )  # fmt: skip
-                view = View(args, crew, dsn, app, started)
+                view = View(args, crew, shards, app, started)
                 try:
-                    run_until_done(args, crew, dsn, view)
+                    run_until_done(args, crew, view)
                 except KeyboardInterrupt:
                     print("interrupted: stopping the replicas, beat and Flower", flush=True)
             elapsed = time.monotonic() - started
-        return print_summary(args, dsn, app, elapsed, crew, site)
+        return print_summary(args, shards, app, elapsed, crew, site)
     return 0
 
 
@@ -388,7 +434,7 @@ def safe_url(url: str) -> str:
     return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1****@", url)
 
 
-def run_until_done(args: argparse.Namespace, crew: Fleet, dsn: str, view: View) -> None:
+def run_until_done(args: argparse.Namespace, crew: Fleet, view: View) -> None:
     rng = random.Random()
     deadline = time.monotonic() + args.duration if args.duration > 0 else None
     next_kill = time.monotonic() + args.chaos_interval
@@ -423,17 +469,20 @@ def skip_counts(app: Celery, key: str) -> dict[str, int]:
 
 def print_summary(
     args: argparse.Namespace,
-    dsn: str,
+    shards: dict[str, str],
     app: Celery,
     elapsed: float,
     crew: Fleet,
     site: FlowerSite,
 ) -> int:
     from .pipeline import skip_keys
-    from .report import summarize
+    from .report import combine, summarize
 
-    with psycopg.connect(dsn) as conn:
-        summary = summarize(conn)
+    parts = {}
+    for name, dsn in shards.items():
+        with psycopg.connect(dsn) as conn:
+            parts[name] = summarize(conn)
+    summary = combine(list(parts.values()))
     node_key, tenant_key = skip_keys(app.conf.task_default_queue)
     by_node, by_tenant = skip_counts(app, node_key), skip_counts(app, tenant_key)
     per_replica = ", ".join(
@@ -443,6 +492,9 @@ def print_summary(
     print(f"\nsummary after {elapsed:.1f} s with {len(crew.replicas)} replicas:")
     for line in summary.lines():
         print(f"  {line}")
+    if len(parts) > 1:
+        each = "; ".join(f"{n}: {p.tenants} tenants, {p.steps} steps" for n, p in parts.items())
+        print(f"  shards             {len(parts)} ({each})")
     print(f"  skips              {sum(by_node.values())} (a step found its tenant locked by")
     print(f"                     another worker process: {per_replica}; {len(by_tenant)} tenants)")
     print(f"  replica kills      {crew.kills}")

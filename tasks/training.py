@@ -2,7 +2,8 @@
 
 It has its own table and its own connections, as an external API would: the
 pipeline reaches it only through submit / poll / download, never through the
-lock's connection. Submission is idempotent on (tenant, run number, stage):
+lock's connection. With shards, each shard's database has the table, and a
+tenant's jobs are in its shard's. Submission is idempotent on (tenant, run number, stage):
 repeating it returns the job already started instead of starting another.
 """
 
@@ -13,8 +14,10 @@ import random
 from dataclasses import dataclass
 
 import psycopg
+from psycopg import pq
 
-_connection: tuple[int, psycopg.Connection] | None = None
+#: This process's connection to the service per database (one per shard): (pid, conn).
+_connections: dict[str, tuple[int, psycopg.Connection]] = {}
 
 
 @dataclass(frozen=True)
@@ -30,16 +33,20 @@ def idempotency_key(tenant_id: str, run_number: int, stage: str) -> str:
 
 
 def _conn(dsn: str) -> psycopg.Connection:
-    """This process's connection to the service, opened after fork."""
-    global _connection
-    if (
-        _connection is None
-        or _connection[0] != os.getpid()
-        or _connection[1].closed
-        or _connection[1].broken
-    ):
-        _connection = (os.getpid(), psycopg.connect(dsn, autocommit=True))
-    return _connection[1]
+    """This process's connection to the service in database ``dsn``, opened after fork.
+
+    One that is not idle is dropped: a step whose lock was lost gets LockLost raised
+    inside it (pglock_on_lost = "interrupt"), which can land while it waits on this
+    connection and leave it in the middle of its statement ("another command is
+    already in progress" for every later step of the process).
+    """
+    found = _connections.get(dsn)
+    if found is not None and found[0] == os.getpid() and not found[1].closed:
+        if found[1].info.transaction_status != pq.TransactionStatus.IDLE:
+            found[1].close()
+    if found is None or found[0] != os.getpid() or found[1].closed or found[1].broken:
+        found = _connections[dsn] = (os.getpid(), psycopg.connect(dsn, autocommit=True))
+    return found[1]
 
 
 def _call(dsn: str, query: str, params: tuple[object, ...]) -> tuple[object, ...] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -13,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from .pipeline import skip_keys
-from .report import tenant_rows
+from .report import TenantRow, tenant_rows
 
 if TYPE_CHECKING:
     import argparse
@@ -33,17 +34,24 @@ class Fleet(Protocol):
 
 
 MAX_TENANT_ROWS = 25
+STEPS_BY_WORKER = "SELECT worker, count(*) FROM step_history GROUP BY worker"
 
 
 class View:
-    """Reads the database and Redis, and draws (or prints) what it sees."""
+    """Reads every shard's database and Redis, and draws (or prints) what it sees."""
 
     def __init__(
-        self, args: argparse.Namespace, crew: Fleet, dsn: str, app: Celery, started: float
+        self,
+        args: argparse.Namespace,
+        crew: Fleet,
+        shards: dict[str, str],
+        app: Celery,
+        started: float,
     ) -> None:
+        """``shards``: each shard's name and DSN (one, for a run without shards)."""
         self.args = args
         self.crew = crew
-        self.dsn = dsn
+        self.shards = shards
         self.app = app
         self.started = started
         self.console = Console()
@@ -73,11 +81,19 @@ class View:
 
     def refresh(self) -> int:
         """Redraw; return the fewest cycles any tenant has completed."""
-        with psycopg.connect(self.dsn) as conn:
-            tenants = tenant_rows(conn)
-            steps = dict(
-                conn.execute("SELECT worker, count(*) FROM step_history GROUP BY worker").fetchall()
-            )
+        tenants: list[TenantRow] = []
+        steps: Counter[str] = Counter()  # by worker node
+        shard_steps: dict[str, int] = {}
+        for name, dsn in self.shards.items():
+            with psycopg.connect(dsn) as conn:
+                tenants += tenant_rows(conn)
+                found: dict[str, int] = dict(conn.execute(STEPS_BY_WORKER).fetchall())
+            steps.update(found)
+            shard_steps[name] = sum(found.values())
+        tenants.sort(key=lambda t: t.tenant_id)
+        # Each shard's steps, when there are several: " (s1 40, s2 52, s3 38)".
+        each = ", ".join(f"{name} {n}" for name, n in shard_steps.items())
+        per_shard = f" ({each})" if len(shard_steps) > 1 else ""
         by_node, by_tenant = skip_keys(self.app.conf.task_default_queue)
         skips, tenant_skips = self._counts(by_node), self._counts(by_tenant)
         fewest = min((t.completed_cycles for t in tenants), default=0)
@@ -98,7 +114,7 @@ class View:
                 )
                 print(
                     f"[{time.monotonic() - self.started:6.1f} s] cycles {done}{goal}"
-                    f" stages {stages} steps {sum(steps.values())}"
+                    f" stages {stages} steps {sum(steps.values())}{per_shard}"
                     f" skips {sum(skips.values())} ({per_replica}) kills {self.crew.kills}",
                     flush=True,
                 )
@@ -106,7 +122,7 @@ class View:
             self.live.update(
                 Group(
                     self._tenants(tenants, tenant_skips),
-                    self._replicas(steps, skips),
+                    self._replicas(steps, skips, per_shard),
                     self.progress,
                 )
             )
@@ -142,8 +158,10 @@ class View:
         """A replica's count in a hash keyed by node name (replica1@host)."""
         return sum(n for node, n in counts.items() if node.startswith(replica + "@"))
 
-    def _replicas(self, steps: dict[str, int], skips: dict[str, int]) -> Table:
+    def _replicas(self, steps: dict[str, int], skips: dict[str, int], per_shard: str) -> Table:
         table = Table(title=f"replicas (chaos kills: {self.crew.kills})")
+        if per_shard:
+            table.caption = f"steps per shard{per_shard}"
         for column in ("replica", "pid", "state", "steps run", "skips", "starts"):
             table.add_column(column)
         for replica in self.crew.replicas:

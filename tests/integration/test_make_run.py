@@ -19,10 +19,13 @@ import redis
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from pglock_celery import lock_key
+from pglock_celery.config import PglockConfig
+from pglock_celery.shards import parse_shards
 from tasks import fleet
 from tasks.celery_app import app as tasks_app
 from tasks.pipeline import skip_keys
-from tasks.run import OWNER_MARK, REDIS_MARK_KEY, Fleet, FlowerSite, wait_until_up
+from tasks.run import OWNER_MARK, REDIS_MARK_KEY, Fleet, FlowerSite, schema_dsn, wait_until_up
 from tests.support.rabbitmq import delete_queues, rabbitmq_for_tests
 from tests.support.services import free_port
 
@@ -159,13 +162,15 @@ def test_make_run_installs_only_the_demos_packages() -> None:
 
 @pytest.fixture
 def demo_database(pg_server: str) -> Iterator[str]:
-    """A name for the run's own database (the run creates it); dropped afterwards."""
+    """A name for the run's own database (the run creates it, or with --shards 3 its
+    NAME_s1 to NAME_s3); dropped afterwards."""
     name = f"pglock_demo_{uuid.uuid4().hex[:8]}"
     yield name
     with psycopg.connect(pg_server, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-        )
+        for database in (name, *(f"{name}_s{n}" for n in (1, 2, 3))):
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database))
+            )
 
 
 def test_a_run_works_in_databases_of_its_own(
@@ -236,3 +241,40 @@ def test_a_schema_the_run_did_not_make_is_never_dropped(pg_dsn: str, broker_url:
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+def test_a_run_over_three_shards_keeps_each_tenant_on_its_locks_shard(
+    pg_server: str, demo_database: str, schema: str, broker_url: str
+) -> None:
+    """`--shards 3`: three databases of the run's own, each tenant's rows in the one its lock
+    lives on, steps on every shard, and the same zero-overlap report."""
+    args = (
+        f"--fast --duration 20 --plain --shards 3 --schema {schema} --database {demo_database}"
+        f" --flower-port {free_port()}"
+    )
+    done = make_run(args, {"PGLOCK_DSN": pg_server, "ORCH_BROKER_URL": broker_url}, 240)
+    assert_healthy_with_skips(done)
+    shards = {
+        f"s{n}": schema_dsn(make_conninfo(pg_server, dbname=f"{demo_database}_s{n}"), schema)
+        for n in (1, 2, 3)
+    }
+    placement = PglockConfig(shards=parse_shards(shards))
+    found: dict[str, list[str]] = {}  # tenant -> the shards whose database has its rows
+    for shard, dsn in shards.items():
+        with psycopg.connect(dsn) as conn:
+            for table in ("tenants", "pipelines", "step_history", "training_jobs"):
+                tenants = conn.execute(f"SELECT DISTINCT tenant_id FROM {table}").fetchall()
+                for (tenant,) in tenants:
+                    if shard not in found.setdefault(tenant, []):
+                        found[tenant].append(shard)
+            steps = conn.execute("SELECT count(*) FROM step_history").fetchone()
+        assert steps is not None and steps[0] > 0, f"no step ran on shard {shard}"
+        # The report's line on the shard: `s1: 7 tenants, 119 steps`.
+        assert re.search(rf"\b{shard}: [1-9]\d* tenants, [1-9]\d* steps", done.stdout), shard
+    assert sorted(found) == [f"tenant-{n:03d}" for n in range(1, 21)]
+    for tenant, where in found.items():
+        name = f"training:{tenant}"
+        assert where == [placement.shard_of(lock_key(name), name)], (tenant, where)
+    assert {where[0] for where in found.values()} == set(shards)
+    assert figure("shards", done.stdout) == 3
+    assert figure("tenants", done.stdout) == 20

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 
+from pglock_celery import lock_key
+from pglock_celery.config import PglockConfig
 from pglock_celery.inspect import list_holders
+from pglock_celery.shards import parse_shards
+from pglock_celery.sources import registry
+from tasks import training
 from tasks.celery_app import app as tasks_app
 from tasks.pipeline import advance_pipeline
-from tasks.tenants import TenantError, onboard_tenant, seed_tenants
+from tasks.schema import apply_schema
+from tasks.tenants import ONBOARDING_LOCK, TenantError, onboard_tenant, seed_tenants
 from tests.support.orchestra import Orchestra
-from tests.support.services import wait_until
+from tests.support.services import own_database, wait_until
 
 Factory = Callable[..., Orchestra]
 
@@ -182,3 +190,62 @@ def test_corrupted_pipeline_row_stops_that_tenant_and_the_others_go_on(
         ).fetchone()  # type: ignore[misc]
     assert stage == "stopped"
     assert "unknown stage 'bogus'" in error
+
+
+@pytest.fixture
+def three_shards(pg_server: str) -> Iterator[dict[str, str]]:
+    """The `tasks` app over three databases of the test's own, each with the orchestrator's
+    schema: yields shard name -> DSN; the app's settings are put back afterwards."""
+    saved = {key: tasks_app.conf.get(key) for key in ("pglock_dsn", "pglock_shards")}
+    with contextlib.ExitStack() as stack:
+        shards = {f"s{n}": stack.enter_context(own_database(pg_server)) for n in (1, 2, 3)}
+        for dsn in shards.values():
+            apply_schema(dsn)
+        tasks_app.conf.update(pglock_dsn=None, pglock_shards=shards)
+        try:
+            yield shards
+        finally:
+            tasks_app.conf.update(saved)
+            registry.close()  # this process's idle sessions, before their databases go
+
+
+def test_over_shards_each_tenant_is_seeded_onboarded_and_stepped_on_its_locks_shard(
+    three_shards: dict[str, str],
+) -> None:
+    """Seeding, onboarding and a first step put a tenant's rows (tenant, pipeline, step,
+    training job) in the database of its lock's shard, and in no other."""
+    seeded = [f"tenant-{n:03d}" for n in range(1, 10)]
+    onboarded = [f"new-{n}" for n in range(1, 10)]
+    seed_tenants(None, seeded)
+    for tenant in onboarded:
+        assert onboard_tenant.apply((tenant,)).get() == tenant
+    for tenant in seeded + onboarded:
+        assert advance_pipeline.apply((tenant,)).get()["outcome"] == "submitted"
+    placement = PglockConfig(shards=parse_shards(three_shards))
+
+    def shard_of(name: str) -> str:
+        return placement.shard_of(lock_key(name), name)
+
+    for shard, dsn in three_shards.items():
+        mine = sorted(t for t in seeded + onboarded if shard_of(f"training:{t}") == shard)
+        assert mine, f"no tenant on shard {shard}: the test would prove little"
+        with psycopg.connect(dsn) as conn:
+            for table in ("tenants", "pipelines", "step_history", "training_jobs"):
+                rows = conn.execute(f"SELECT tenant_id FROM {table} ORDER BY 1").fetchall()
+                assert [tenant for (tenant,) in rows] == mine, (shard, table)
+            onboardings = conn.execute("SELECT count(*) FROM onboarding_history").fetchone()
+        # An onboarding is recorded where its lock lives, whichever shard its tenant is on.
+        expected = len(onboarded) if shard == shard_of(ONBOARDING_LOCK) else 0
+        assert onboardings == (expected,), shard
+
+
+def test_a_training_connection_left_mid_statement_is_not_used_again(pg_dsn: str) -> None:
+    """A step interrupted by LockLost while it waited on the training service's connection
+    leaves that connection in the middle of its statement: the next call opens another
+    instead of failing with "another command is already in progress"."""
+    first = training._conn(pg_dsn)
+    first.pgconn.send_query(b"SELECT pg_sleep(0.01)")  # as a statement cut short leaves it
+    assert first.info.transaction_status == psycopg.pq.TransactionStatus.ACTIVE
+    again = training._conn(pg_dsn)
+    assert again is not first and first.closed
+    assert again.execute("SELECT 1").fetchone() == (1,)
