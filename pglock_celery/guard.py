@@ -1,35 +1,50 @@
 """Guarded tables: Postgres refuses a write to a row unless the writing session holds its lock.
 
-``install_guard(conn_or_dsn, "pipelines", "training:{tenant_id}")`` puts on the table:
+``install_guard(conn_or_dsn, "pipelines", "training:{tenant_id}")`` puts triggers on the
+table that build each written row's lock name from the template over its columns,
+compute its key with ``pglock_key()`` and raise (SQLSTATE ``PGL01``) unless this session
+holds that lock. The template is every trigger's argument, so ``\\d pipelines`` shows it
+and ``guarded_tables()`` reads it back. The checks come in two layouts:
 
-- ``zz_pglock_guard``: a BEFORE UPDATE OR DELETE row trigger that builds the old row's
-  lock name from the template over its columns, computes its key with ``pglock_key()``
-  and raises (SQLSTATE ``PGL01``) unless this session holds that lock, before anything
-  changes. The template is the trigger's argument, so ``\\d pipelines`` shows it and
-  ``guarded_tables()`` reads it back.
-- ``zz_pglock_guard_stored_insert`` and ``zz_pglock_guard_stored_update``: AFTER row
-  triggers that check the new row's lock on the row as stored, once every BEFORE
-  trigger has run (a table's own trigger that fires after the guard's may rewrite the
-  name's columns); the update one fires only when a column of the name changed, so an
-  UPDATE that changes the name needs the old and the new lock. They are plain AFTER
-  triggers, not deferrable: they fire at the end of their statement and abort it, so a
-  refused row is never stored.
-- ``zz_pglock_guard_truncate``: a BEFORE TRUNCATE statement trigger that refuses (a
-  TRUNCATE changes every tenant's rows at once; cascaded TRUNCATEs fire it too).
-- its trigger function ``pglock_guard_<table>()``, generated for the table, in the
-  table's schema (dropped with it).
+- **By statement**, on a plain table that is no inheritance child and no partition (most
+  tables): AFTER INSERT, UPDATE and DELETE statement triggers (``zz_pglock_guard_stored_insert``,
+  ``zz_pglock_guard``, ``zz_pglock_guard_delete``) read the statement's rows from its
+  transition table (the new rows as stored, once every BEFORE trigger has run; the old
+  rows) and check each distinct lock name once, so a 10,000-row UPDATE of one tenant
+  computes one key, not 10,000. They fire at the end of their statement and abort it, so
+  a refused row is never stored. Rows of the table's inheritance children written
+  through it are in its transition tables too. The only writes that would not fire them
+  name an ancestor of the table, and it can have none: ``zz_pglock_guard_stored_update``
+  is a row trigger with a transition table, which Postgres refuses on an inheritance
+  child or a partition (``ALTER TABLE ... INHERIT`` and ``ATTACH PARTITION`` fail while
+  the guard is on).
+- **By row**, on a partitioned table (Postgres clones row triggers onto each partition,
+  later ones too), a partition and an inheritance child (a statement naming any of their
+  ancestors writes their rows): ``zz_pglock_guard``, a BEFORE UPDATE OR DELETE row trigger,
+  checks the old row before anything changes; ``zz_pglock_guard_stored_insert``, an AFTER
+  INSERT row trigger, the row as stored.
 
-and, once per database, in schema ``public``: ``pglock_key(text)`` (equal to
+In both, ``zz_pglock_guard_stored_update`` is an AFTER UPDATE row trigger that fires only
+when the text of a column of the name changed (compared byte for byte: a column's
+collation may call two texts equal that make two names), and checks the new name on the
+row as stored, so an UPDATE that changes the name needs the old and the new lock; and
+``zz_pglock_guard_truncate``, a BEFORE TRUNCATE statement trigger, refuses (a TRUNCATE
+changes every tenant's rows at once; cascaded TRUNCATEs fire it too). Their trigger
+function ``pglock_guard_<table>()`` is generated for the table, in the table's schema
+(dropped with it).
+
+Once per database, in schema ``public``: ``pglock_key(text)`` (equal to
 :func:`~pglock_celery.keys.lock_key` for every string), ``pglock_key_from_hex(text)``
 (its arithmetic on a digest prefix), and the shared functions of the slow path and of
-TRUNCATE. They are replaced only when their text changes.
+TRUNCATE. They are replaced only when their text changes, and keep their signatures, so
+the triggers of a guard installed by an older release go on working.
 
 The same guard goes on every inheritance descendant of the table (``CREATE TABLE c ()
-INHERITS (t)``): a row stored in a child fires only the child's triggers, even when the
-statement names the parent. A descendant guarded with another template is refused
+INHERITS (t)``): a row stored in a child fires only the child's row triggers, even when
+the statement names the parent. A descendant guarded with another template is refused
 (its rows are written through the parent too), and so is a foreign table among them.
-Partitions need nothing: Postgres clones a partitioned table's row triggers onto each.
-A child added later is unguarded until install_guard runs again (``doctor`` says so).
+A child added later is unguarded until install_guard runs again (``doctor`` says so),
+though writes through a parent guarded by statement still check its rows.
 
 Every built-in the guard calls is named with its schema (``pg_catalog.``), and its
 PL/pgSQL functions run with ``search_path = pg_catalog, pg_temp``: a role whose
@@ -40,7 +55,9 @@ statement of this library) lists the key, and that gets
 ``pg_try_advisory_xact_lock_shared(key)``: no other session holds the lock, and none
 can take it before this transaction ends. That path never reads ``pg_locks`` (G9).
 Otherwise (hand-rolled ``pg_advisory_lock`` code) the session's own entries in
-``pg_locks`` decide, which costs a scan of the server's lock table per row.
+``pg_locks`` decide, which costs a scan of the server's lock table per lock name (per
+statement, or per row in the row layout). Nothing is remembered from one statement to
+the next: a proof is the shared lock itself, which a savepoint rolled back would release.
 
 ``SET [LOCAL] pglock.guard = off`` turns the guard off for a session or a transaction.
 """
@@ -70,12 +87,24 @@ from .sql import HELD_SETTING
 GUARD_SQLSTATE = "PGL01"
 #: The session setting that turns the guard off (``SET LOCAL pglock.guard = off``).
 GUARD_SETTING = "pglock.guard"
+#: The trigger that names a guarded table (with its template): the old rows' check.
 ROW_TRIGGER = "zz_pglock_guard"
+#: The old rows of a DELETE, in the statement layout (the row layout's ROW_TRIGGER has them).
+DELETE_TRIGGER = "zz_pglock_guard_delete"
 TRUNCATE_TRIGGER = "zz_pglock_guard_truncate"
 STORED_INSERT_TRIGGER = "zz_pglock_guard_stored_insert"
 STORED_UPDATE_TRIGGER = "zz_pglock_guard_stored_update"
 #: Every trigger a guard puts on a table.
-TRIGGERS = (ROW_TRIGGER, STORED_INSERT_TRIGGER, STORED_UPDATE_TRIGGER, TRUNCATE_TRIGGER)
+TRIGGERS = (
+    ROW_TRIGGER,
+    DELETE_TRIGGER,
+    STORED_INSERT_TRIGGER,
+    STORED_UPDATE_TRIGGER,
+    TRUNCATE_TRIGGER,
+)
+#: The transition tables of the statement layout's triggers.
+OLD_ROWS = "pglock_old_rows"
+NEW_ROWS = "pglock_new_rows"
 #: The application_name of the connection install_guard opens for a DSN.
 APPLICATION_NAME = "pglock-celery-guard"
 #: Column types whose text in Postgres is what str.format gives for the value psycopg
@@ -117,9 +146,10 @@ _CONVERTED_BYTES = "pg_catalog.convert_to(name, 'UTF8')"
 #: The SET clause of the guard's PL/pgSQL functions, as pg_proc.proconfig shows it.
 PINNED_SEARCH_PATH = "search_path=pg_catalog, pg_temp"
 
+# Never NULL (an unset setting reads as NULL): the guard is on unless it says off.
 _OFF_TEST = (
-    f"pg_catalog.lower(pg_catalog.current_setting('{GUARD_SETTING}', true))"
-    " IN ('off', 'false', 'no', '0')"
+    f"coalesce(pg_catalog.lower(pg_catalog.current_setting('{GUARD_SETTING}', true))"
+    " IN ('off', 'false', 'no', '0'), false)"
 )
 
 # The slow path, only when the fast one failed: a hand-rolled holder, or a refusal.
@@ -275,8 +305,13 @@ JOIN pg_catalog.pg_trigger t ON t.tgrelid = c.oid AND t.tgname = %(row)s
 WHERE c.relkind = 'r'
 ORDER BY up.depth DESC
 """
+# Enabled: the old rows' checks fire (by statement, the DELETE one too; tgtype bit 1 is ROW).
 _GUARDED = """
-SELECT c.oid, n.nspname, c.relname, t.tgargs, t.tgenabled,
+SELECT c.oid, n.nspname, c.relname, t.tgargs,
+       t.tgenabled IN ('O', 'A')
+         AND (t.tgtype & 1 = 1 OR EXISTS (
+           SELECT FROM pg_catalog.pg_trigger u WHERE u.tgrelid = t.tgrelid
+             AND u.tgname = %(delete)s AND u.tgenabled IN ('O', 'A'))),
        EXISTS (SELECT FROM pg_catalog.pg_trigger u
                WHERE u.tgrelid = t.tgrelid AND u.tgname = %(truncate)s),
        (SELECT pg_catalog.count(*) FROM pg_catalog.pg_trigger u
@@ -289,14 +324,84 @@ WHERE t.tgname = %(row)s AND NOT t.tgisinternal
   AND t.tgparentid = 0  -- a partitioned table, not each partition's clone of its trigger
 """
 _TRIGGER = """
-SELECT t.tgfoid, t.tgtype, t.tgenabled, t.tgargs
+SELECT t.tgfoid, t.tgtype, t.tgenabled, t.tgargs, t.tgoldtable, t.tgnewtable
 FROM pg_catalog.pg_trigger t WHERE t.tgrelid = %s AND t.tgname = %s
 """
+# A table that no statement naming another table writes, and that can be kept so: a
+# plain table, neither a partition nor an inheritance child (see the module docstring).
+_BY_STATEMENT = """
+SELECT c.relkind = 'r' AND NOT c.relispartition
+       AND NOT EXISTS (SELECT FROM pg_catalog.pg_inherits i WHERE i.inhrelid = c.oid)
+FROM pg_catalog.pg_class c WHERE c.oid = %s
+"""
 # pg_trigger.tgtype bits: ROW 1, BEFORE 2, INSERT 4, DELETE 8, UPDATE 16, TRUNCATE 32.
-_ROW_TYPE = 1 | 2 | 8 | 16
-_STORED_INSERT_TYPE = 1 | 4
-_STORED_UPDATE_TYPE = 1 | 16
-_TRUNCATE_TYPE = 2 | 32
+_TG_ROW, _TG_BEFORE, _TG_INSERT, _TG_DELETE, _TG_UPDATE, _TG_TRUNCATE = 1, 2, 4, 8, 16, 32
+_TRUNCATE_TYPE = _TG_BEFORE | _TG_TRUNCATE
+
+
+@dataclass(frozen=True)
+class _Trigger:
+    """One trigger of a layout, as CREATE TRIGGER says it and pg_trigger shows it."""
+
+    name: str
+    #: pg_trigger.tgtype.
+    kind: int
+    #: The transition tables it names (pg_trigger.tgoldtable, tgnewtable).
+    old_table: str | None = None
+    new_table: str | None = None
+    when: sql.Composable | None = None
+
+    def clause(self) -> sql.Composable:
+        """What CREATE TRIGGER says between the trigger's name and ON (the timing, events)."""
+        timing = "BEFORE" if self.kind & _TG_BEFORE else "AFTER"
+        events = [
+            event
+            for bit, event in (
+                (_TG_INSERT, "INSERT"),
+                (_TG_UPDATE, "UPDATE"),
+                (_TG_DELETE, "DELETE"),
+            )
+            if self.kind & bit
+        ]
+        return sql.SQL(f"{timing} {' OR '.join(events)}")
+
+    def tail(self) -> sql.Composable:
+        """What CREATE TRIGGER says between ON the table and EXECUTE."""
+        tables = [
+            sql.SQL("{} TABLE AS {}").format(sql.SQL(side), sql.Identifier(name))
+            for side, name in (("OLD", self.old_table), ("NEW", self.new_table))
+            if name is not None
+        ]
+        referencing = sql.SQL(" REFERENCING {}").format(sql.SQL(" ").join(tables))
+        return sql.SQL("{} FOR EACH {}{}").format(
+            referencing if tables else sql.SQL(""),
+            sql.SQL("ROW" if self.kind & _TG_ROW else "STATEMENT"),
+            sql.SQL(" WHEN ({})").format(self.when) if self.when is not None else sql.SQL(""),
+        )
+
+
+def layout(parts: list[tuple[str, str | None]], *, by_statement: bool) -> list[_Trigger]:
+    """The row-checking triggers of a guard by statement or by row (TRUNCATE's aside).
+
+    In both, STORED_UPDATE_TRIGGER checks the new name of a row whose name columns'
+    text changed. By statement it names the old rows' transition table without needing
+    them: Postgres refuses a row trigger with a transition table on an inheritance child
+    or a partition, so the table can never become one (which would let a statement
+    naming its new parent write its rows without firing its statement triggers).
+    """
+    changed = name_changed(parts)
+    if by_statement:
+        return [
+            _Trigger(ROW_TRIGGER, _TG_UPDATE, old_table=OLD_ROWS),
+            _Trigger(DELETE_TRIGGER, _TG_DELETE, old_table=OLD_ROWS),
+            _Trigger(STORED_INSERT_TRIGGER, _TG_INSERT, new_table=NEW_ROWS),
+            _Trigger(STORED_UPDATE_TRIGGER, _TG_ROW | _TG_UPDATE, old_table=OLD_ROWS, when=changed),
+        ]
+    return [
+        _Trigger(ROW_TRIGGER, _TG_ROW | _TG_BEFORE | _TG_UPDATE | _TG_DELETE),
+        _Trigger(STORED_INSERT_TRIGGER, _TG_ROW | _TG_INSERT),
+        _Trigger(STORED_UPDATE_TRIGGER, _TG_ROW | _TG_UPDATE, when=changed),
+    ]
 
 
 @dataclass(frozen=True)
@@ -383,67 +488,137 @@ def name_expression(parts: list[tuple[str, str | None]], row: str) -> sql.Compos
     return sql.SQL(" || ").join(pieces)
 
 
-def trigger_function_body(parts: list[tuple[str, str | None]]) -> sql.Composable:
-    """The PL/pgSQL body of a table's row trigger function (BEFORE and AFTER).
+def trigger_function_body(
+    parts: list[tuple[str, str | None]], *, by_statement: bool
+) -> sql.Composable:
+    """The PL/pgSQL body of a table's trigger function, for its layout (see the module).
 
-    BEFORE UPDATE or DELETE: the old row's lock, before anything changes. AFTER INSERT,
-    and AFTER an UPDATE whose name's columns changed: the new row's lock, judged on the
-    row as stored, once every BEFORE trigger (ours sorts first or last) has run.
+    Row level, BEFORE UPDATE or DELETE: the old row's lock, before anything changes.
+    AFTER INSERT, and AFTER an UPDATE whose name's columns changed: the new row's lock,
+    judged on the row as stored, once every BEFORE trigger (ours sorts first or last) has
+    run. Statement level (``by_statement``): each distinct name among the statement's new
+    rows (INSERT) or old rows (UPDATE, DELETE) once. The guard's off switch is read only
+    when the fast path (``pglock.held`` and the shared lock) did not prove the lock.
     """
-    check = sql.SQL(
-        "key := public.pglock_key({name});\n"
-        "    IF pg_catalog.strpos(held, ',' || key || ',') = 0"
-        " OR NOT pg_catalog.pg_try_advisory_xact_lock_shared(key) THEN\n"
-        "      PERFORM public.pglock_guard_check(TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME,"
-        " {name}, key);\n"
-        "    END IF;"
+    by_row = sql.SQL(
+        """
+  IF TG_WHEN = 'BEFORE' THEN  -- UPDATE, DELETE: the row as it is stored now
+    lock_name := {old};
+  ELSE  -- AFTER INSERT, UPDATE: the row as it was stored, once every BEFORE trigger ran
+    lock_name := {new};
+    IF TG_OP = 'UPDATE' THEN  -- fired because the text of a column of the name changed
+      old_name := {old};
+      IF lock_name = old_name THEN RETURN NULL; END IF;
+    END IF;
+  END IF;
+  key := public.pglock_key(lock_name);
+  IF ({unproven}) AND NOT {off} THEN
+    PERFORM public.pglock_guard_check(TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME, lock_name, key);
+  END IF;
+  IF TG_WHEN = 'AFTER' THEN RETURN NULL; END IF;
+  IF TG_OP = 'DELETE' THEN RETURN OLD; END IF;
+  RETURN NEW;"""
+    ).format(
+        old=name_expression(parts, "OLD"),
+        new=name_expression(parts, "NEW"),
+        unproven=_unproven(sql.SQL("key")),
+        off=sql.SQL(_OFF_TEST),
     )
+    statement: sql.Composable = sql.SQL("")
+    if by_statement:
+        statement = sql.SQL(
+            """
+  IF TG_LEVEL = 'STATEMENT' THEN
+    IF TG_OP = 'INSERT' THEN
+      {new_rows}
+    ELSE
+      {old_rows}
+    END IF;
+    RETURN NULL;
+  END IF;"""
+        ).format(
+            new_rows=_check_names(parts, NEW_ROWS),
+            old_rows=_check_names(parts, OLD_ROWS),
+        )
     return sql.SQL(
         """
 DECLARE
-  held text;
+  lock_name text;
   old_name text;
-  new_name text;
-  key bigint;
-BEGIN
-  IF {off} THEN
-    IF TG_OP = 'DELETE' THEN RETURN OLD; END IF;
-    RETURN NEW;
-  END IF;
-  held := coalesce(pg_catalog.current_setting({held_setting}, true), '');
-  IF TG_OP <> 'INSERT' THEN
-    old_name := {old};
-  END IF;
-  IF TG_WHEN = 'BEFORE' THEN  -- UPDATE, DELETE: the row as it is stored now
-    {check_old}
-    IF TG_OP = 'DELETE' THEN RETURN OLD; END IF;
-    RETURN NEW;
-  END IF;
-  -- AFTER INSERT, UPDATE: the row as it was stored, once every BEFORE trigger ran.
-  new_name := {new};
-  IF new_name IS DISTINCT FROM old_name THEN
-    {check_new}
-  END IF;
-  RETURN NULL;
+  key bigint;{refused}
+BEGIN{statement}{by_row}
 END
 """
     ).format(
-        off=sql.SQL(_OFF_TEST),
-        held_setting=sql.Literal(HELD_SETTING),
-        old=name_expression(parts, "OLD"),
-        new=name_expression(parts, "NEW"),
-        check_old=check.format(name=sql.SQL("old_name")),
-        check_new=check.format(name=sql.SQL("new_name")),
+        refused=sql.SQL("\n  refused record;" if by_statement else ""),
+        statement=statement,
+        by_row=by_row,
+    )
+
+
+def _unproven(key: sql.Composable) -> sql.Composable:
+    """True unless the fast path proves the lock of ``key``: in pglock.held, shared lock taken."""
+    return sql.SQL(
+        "pg_catalog.strpos(coalesce(pg_catalog.current_setting({setting}, true), ''),"
+        " ',' || {key} || ',') = 0 OR NOT pg_catalog.pg_try_advisory_xact_lock_shared({key})"
+    ).format(setting=sql.Literal(HELD_SETTING), key=key)
+
+
+def _check_names(parts: list[tuple[str, str | None]], rows: str) -> sql.Composable:
+    """Check each distinct lock name of a transition table's rows: PL/pgSQL statements.
+
+    The fast path is one query with no parameter (planned once per session) that finds
+    a name whose lock pglock.held and the shared lock do not prove, or none (LIMIT 1:
+    ``plpgsql.extra_errors = too_many_rows`` cannot fail it). Only then is the off
+    switch read, and each such name goes to the slow path.
+    """
+    unproven = _unproven_names(parts, rows)
+    return sql.SQL(
+        """SELECT unproven.n, unproven.k INTO lock_name, key FROM ({unproven}) AS unproven
+        LIMIT 1;
+      IF FOUND AND NOT {off} THEN
+        FOR refused IN {unproven} LOOP
+          PERFORM public.pglock_guard_check(
+            TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME, refused.n, refused.k);
+        END LOOP;
+      END IF;"""
+    ).format(unproven=unproven, off=sql.SQL(_OFF_TEST))
+
+
+def _unproven_names(parts: list[tuple[str, str | None]], rows: str) -> sql.Composable:
+    """The query of a transition table's distinct lock names (n) and keys (k) not proven fast.
+
+    Names are told apart byte for byte (``COLLATE "C"``): a column's own collation may
+    hold two texts equal that make two names. The key of each is computed once (OFFSET 0
+    keeps the subquery). Its columns are named apart from the function's variables.
+    """
+    return sql.SQL(
+        "SELECT keys.n, keys.k FROM ("
+        "SELECT names.n, public.pglock_key(names.n) AS k"
+        ' FROM (SELECT DISTINCT ({name}) COLLATE pg_catalog."C" AS n FROM {rows})'
+        " AS names OFFSET 0) AS keys"
+        " WHERE {unproven}"
+    ).format(
+        name=name_expression(parts, rows),
+        rows=sql.Identifier(rows),
+        unproven=_unproven(sql.SQL("keys.k")),
     )
 
 
 def name_changed(parts: list[tuple[str, str | None]]) -> sql.Composable:
-    """The WHEN condition of the stored-row UPDATE trigger: a column of the name changed."""
+    """The WHEN condition of the stored-row UPDATE trigger: the text of a name column changed.
+
+    The text the name is built from, compared byte for byte: under a nondeterministic
+    collation ``'a' = 'A'``, yet they make two names.
+    """
     columns = list(dict.fromkeys(field for _, field in parts if field is not None))
     if not columns:
         return sql.SQL("false")
     return sql.SQL(" OR ").join(
-        sql.SQL("NEW.{0} IS DISTINCT FROM OLD.{0}").format(sql.Identifier(column))
+        sql.SQL(
+            'NEW.{0}::text COLLATE pg_catalog."C" IS DISTINCT FROM'
+            ' OLD.{0}::text COLLATE pg_catalog."C"'
+        ).format(sql.Identifier(column))
         for column in columns
     )
 
@@ -610,9 +785,20 @@ def _install_shared(conn: psycopg.Connection) -> None:
             conn.execute(sql.SQL(create).format(sql.Literal(body)))
 
 
-def _trigger(conn: psycopg.Connection, oid: int, name: str) -> tuple[int, int, str, bytes] | None:
+_Found = tuple[int, int, str, bytes, str | None, str | None]
+
+
+def _trigger(conn: psycopg.Connection, oid: int, name: str) -> _Found | None:
+    """(function, tgtype, tgenabled, tgargs, old table, new table) of a trigger, or None."""
     row = conn.execute(_TRIGGER, (oid, name)).fetchone()
-    return (int(row[0]), int(row[1]), str(row[2]), bytes(row[3])) if row else None
+    if row is None:
+        return None
+    return (int(row[0]), int(row[1]), str(row[2]), bytes(row[3]), row[4], row[5])
+
+
+def _by_statement(conn: psycopg.Connection, oid: int) -> bool:
+    row = conn.execute(_BY_STATEMENT, (oid,)).fetchone()
+    return bool(row and row[0])
 
 
 def _template_of(conn: psycopg.Connection, oid: int) -> str | None:
@@ -714,12 +900,18 @@ def _guard_table(
     parts: list[tuple[str, str | None]],
     lock_name: str,
 ) -> None:
-    """Create or repair one table's trigger function and triggers; change nothing in place."""
+    """Create or repair one table's trigger function and triggers; change nothing in place.
+
+    A new function body (another release, template or layout) recreates every trigger:
+    the old ones may differ in what pg_trigger does not tell apart (a WHEN clause).
+    """
     qualified = f"{schema}.{name}"
+    by_statement = _by_statement(conn, oid)
     function = sql.Identifier(schema, trigger_function_name(name))
-    body = trigger_function_body(parts).as_string(conn)
+    body = trigger_function_body(parts, by_statement=by_statement).as_string(conn)
     signature = function.as_string(conn) + "()"
-    if _function_source(conn, signature) != (body, [PINNED_SEARCH_PATH]):
+    rewritten = _function_source(conn, signature) != (body, [PINNED_SEARCH_PATH])
+    if rewritten:
         conn.execute(
             sql.SQL(
                 "CREATE OR REPLACE FUNCTION {}() RETURNS trigger LANGUAGE plpgsql {} AS {}"
@@ -735,34 +927,38 @@ def _guard_table(
     function_oid = int(row[0])
     target = sql.Identifier(schema, name)
     args = lock_name.encode() + b"\0"
-    row_triggers = [
-        (ROW_TRIGGER, _ROW_TYPE, sql.SQL("BEFORE UPDATE OR DELETE"), sql.SQL("")),
-        (STORED_INSERT_TRIGGER, _STORED_INSERT_TYPE, sql.SQL("AFTER INSERT"), sql.SQL("")),
-        (
-            STORED_UPDATE_TRIGGER,
-            _STORED_UPDATE_TYPE,
-            sql.SQL("AFTER UPDATE"),
-            sql.SQL(" WHEN ({})").format(name_changed(parts)),
-        ),
-    ]
     replaced: set[int] = set()
-    for trigger, kind, events, when in row_triggers:
-        old = _trigger(conn, oid, trigger)
-        if old == (function_oid, kind, "O", args):
+    wanted = layout(parts, by_statement=by_statement)
+    for trigger in wanted:
+        old = _trigger(conn, oid, trigger.name)
+        expected = (function_oid, trigger.kind, "O", args, trigger.old_table, trigger.new_table)
+        if old == expected and not rewritten:
             continue
         conn.execute(
-            sql.SQL(
-                "CREATE OR REPLACE TRIGGER {} {} ON {} FOR EACH ROW{} EXECUTE FUNCTION {}({})"
-            ).format(
-                sql.Identifier(trigger), events, target, when, function, sql.Literal(lock_name)
+            sql.SQL("CREATE OR REPLACE TRIGGER {} {} ON {}{} EXECUTE FUNCTION {}({})").format(
+                sql.Identifier(trigger.name),
+                trigger.clause(),
+                target,
+                trigger.tail(),
+                function,
+                sql.Literal(lock_name),
             )
         )
         if old is not None and old[2] != "O":
             conn.execute(
-                sql.SQL("ALTER TABLE {} ENABLE TRIGGER {}").format(target, sql.Identifier(trigger))
+                sql.SQL("ALTER TABLE {} ENABLE TRIGGER {}").format(
+                    target, sql.Identifier(trigger.name)
+                )
             )
         if old is not None and old[0] != function_oid:
             replaced.add(old[0])
+    names = {t.name for t in wanted} | {TRUNCATE_TRIGGER}
+    for unwanted in [t for t in TRIGGERS if t not in names]:
+        old = _trigger(conn, oid, unwanted)
+        if old is not None:  # the other layout's, from before the table changed
+            conn.execute(sql.SQL("DROP TRIGGER {} ON {}").format(sql.Identifier(unwanted), target))
+            if old[0] != function_oid:
+                replaced.add(old[0])
     for old_function in replaced:
         _drop_if_ours(conn, old_function)
     truncate = _trigger(conn, oid, TRUNCATE_TRIGGER)
@@ -835,7 +1031,7 @@ def guarded_tables(conn: psycopg.Connection) -> list[GuardedTable]:
         GuardedTable(
             table=f"{schema}.{name}",
             lock_name=_first_argument(args),
-            enabled=enabled in ("O", "A"),
+            enabled=bool(enabled),
             truncate_guarded=bool(truncate),
             stored_row_guarded=bool(stored),
         )
@@ -849,6 +1045,7 @@ def _guarded_rows(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
         _GUARDED,
         {
             "row": ROW_TRIGGER,
+            "delete": DELETE_TRIGGER,
             "truncate": TRUNCATE_TRIGGER,
             "insert": STORED_INSERT_TRIGGER,
             "update": STORED_UPDATE_TRIGGER,
@@ -897,6 +1094,9 @@ def _child_gap(conn: psycopg.Connection, oid: int, kind: str, template: str) -> 
         return "it has no guard"
     if _first_argument(states[ROW_TRIGGER][3]) != template:
         return f"its guard asks for another lock, {_first_argument(states[ROW_TRIGGER][3])}"
-    if any(states.get(t, (0, 0, "D"))[2] not in ("O", "A") for t in TRIGGERS):
+    by_statement = not states[ROW_TRIGGER][1] & _TG_ROW
+    # The names of a layout's triggers do not depend on the template.
+    expected = [t.name for t in layout([], by_statement=by_statement)] + [TRUNCATE_TRIGGER]
+    if any(t not in states or states[t][2] not in ("O", "A") for t in expected):
         return "its guard is incomplete or disabled"
     return None

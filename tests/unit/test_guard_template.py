@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from pglock_celery import ConfigurationError
 from pglock_celery.guard import (
+    layout,
     name_changed,
     name_expression,
     parse_template,
@@ -69,12 +70,27 @@ def test_name_expression_quotes_identifiers_and_literals() -> None:
     assert expression == """'it''s:' || coalesce(NEW."Tenant"::text, 'None')"""
 
 
-def test_the_trigger_checks_old_and_new_names_and_reads_no_pg_locks_itself() -> None:
-    body = trigger_function_body(parse_template("t:{tenant_id}")).as_string(None)
-    assert "old_name := 't:' || coalesce(OLD.\"tenant_id\"::text, 'None')" in body
-    assert "new_name := 't:' || coalesce(NEW.\"tenant_id\"::text, 'None')" in body
-    assert "pg_try_advisory_xact_lock_shared(key)" in body
-    assert "pg_locks" not in body  # only the slow path, pglock_guard_check, reads it
+@pytest.mark.parametrize("by_statement", [False, True])
+def test_the_trigger_checks_old_and_new_names_and_reads_no_pg_locks_itself(
+    by_statement: bool,
+) -> None:
+    body = trigger_function_body(parse_template("t:{tenant_id}"), by_statement=by_statement)
+    text = body.as_string(None)
+    assert "lock_name := 't:' || coalesce(OLD.\"tenant_id\"::text, 'None')" in text
+    assert "lock_name := 't:' || coalesce(NEW.\"tenant_id\"::text, 'None')" in text
+    assert "pg_try_advisory_xact_lock_shared(key)" in text
+    assert "pg_locks" not in text  # only the slow path, pglock_guard_check, reads it
+    assert ("pglock_old_rows" in text) == ("pglock_new_rows" in text) == by_statement
+
+
+def test_by_statement_each_distinct_name_is_told_apart_byte_for_byte() -> None:
+    body = trigger_function_body(parse_template("t:{tenant_id}"), by_statement=True)
+    text = body.as_string(None)
+    for rows in ("pglock_old_rows", "pglock_new_rows"):
+        assert (
+            f"SELECT DISTINCT ('t:' || coalesce({rows}.\"tenant_id\"::text, 'None'))"
+            ' COLLATE pg_catalog."C"'
+        ) in text
 
 
 @pytest.mark.parametrize("table", ["pipelines", "x" * 50, "é" * 40])
@@ -112,7 +128,10 @@ BUILTINS = (
 
 @pytest.mark.parametrize("encoding", ["UTF8", "LATIN1"])
 def test_every_builtin_the_guard_calls_is_schema_qualified(encoding: str) -> None:
-    texts = [trigger_function_body(parse_template("t:{a}/{b}")).as_string(None)]
+    texts = [
+        trigger_function_body(parse_template("t:{a}/{b}"), by_statement=by).as_string(None)
+        for by in (False, True)
+    ]
     texts += [body for _, _, body in shared_functions(encoding)]
     for text in texts:
         for builtin in BUILTINS:
@@ -123,8 +142,47 @@ def test_every_builtin_the_guard_calls_is_schema_qualified(encoding: str) -> Non
             assert "SET search_path = pg_catalog, pg_temp" in create
 
 
-def test_the_stored_update_check_fires_only_when_a_column_of_the_name_changes() -> None:
+def test_the_stored_update_check_fires_only_when_the_text_of_a_name_column_changes() -> None:
+    """Byte for byte: under a nondeterministic collation 'a' = 'A', yet two names."""
     assert name_changed(parse_template("t:{b}/{a}/{b}")).as_string(None) == (
-        'NEW."b" IS DISTINCT FROM OLD."b" OR NEW."a" IS DISTINCT FROM OLD."a"'
+        'NEW."b"::text COLLATE pg_catalog."C" IS DISTINCT FROM OLD."b"::text COLLATE'
+        ' pg_catalog."C" OR NEW."a"::text COLLATE pg_catalog."C" IS DISTINCT FROM'
+        ' OLD."a"::text COLLATE pg_catalog."C"'
     )
     assert name_changed(parse_template("global")).as_string(None) == "false"
+
+
+def clauses(by_statement: bool) -> dict[str, str]:
+    """Each trigger of a layout as CREATE TRIGGER says it (its name, then ON ... aside)."""
+    return {
+        t.name: f"{t.clause().as_string(None)} ON t{t.tail().as_string(None)}"
+        for t in layout(parse_template("t:{a}"), by_statement=by_statement)
+    }
+
+
+def test_by_statement_the_old_and_new_rows_come_from_transition_tables() -> None:
+    when = (
+        'NEW."a"::text COLLATE pg_catalog."C" IS DISTINCT FROM OLD."a"::text COLLATE pg_catalog."C"'
+    )
+    assert clauses(by_statement=True) == {
+        "zz_pglock_guard": 'AFTER UPDATE ON t REFERENCING OLD TABLE AS "pglock_old_rows"'
+        " FOR EACH STATEMENT",
+        "zz_pglock_guard_delete": 'AFTER DELETE ON t REFERENCING OLD TABLE AS "pglock_old_rows"'
+        " FOR EACH STATEMENT",
+        "zz_pglock_guard_stored_insert": "AFTER INSERT ON t REFERENCING NEW TABLE AS"
+        ' "pglock_new_rows" FOR EACH STATEMENT',
+        # A row trigger with a transition table: the table can never become a child.
+        "zz_pglock_guard_stored_update": "AFTER UPDATE ON t REFERENCING OLD TABLE AS"
+        f' "pglock_old_rows" FOR EACH ROW WHEN ({when})',
+    }
+
+
+def test_by_row_no_trigger_names_a_transition_table() -> None:
+    """Postgres refuses row triggers with transition tables on partitions and children."""
+    assert clauses(by_statement=False) == {
+        "zz_pglock_guard": "BEFORE UPDATE OR DELETE ON t FOR EACH ROW",
+        "zz_pglock_guard_stored_insert": "AFTER INSERT ON t FOR EACH ROW",
+        "zz_pglock_guard_stored_update": "AFTER UPDATE ON t FOR EACH ROW WHEN"
+        ' (NEW."a"::text COLLATE pg_catalog."C" IS DISTINCT FROM OLD."a"::text COLLATE'
+        ' pg_catalog."C")',
+    }
