@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from tests.support.services import free_port, own_database
 from tests.support.workers import Worker
 
 RESULT_TIMEOUT = 60
+#: The queue the shard workers alone listen on.
+QUEUE = f"pglock-shard-tests-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,14 @@ def table(three: dict[str, str]) -> str:
 def shard_workers(
     app: Celery, worker_env: dict[str, str], log_dir: Path, shards: dict[str, str], count: int
 ) -> list[Worker]:
-    env = {**worker_env, "PGLOCK_DSN": "", "PGLOCK_SHARDS": json.dumps(shards)}
+    """``count`` prefork workers on ``shards``, on QUEUE: a queue of their own (the
+    session's unsharded workers, if running, listen on the session's queue)."""
+    env = {
+        **worker_env,
+        "PGLOCK_DSN": "",
+        "PGLOCK_SHARDS": json.dumps(shards),
+        "PGLOCK_TEST_QUEUE": QUEUE,
+    }
     started: list[Worker] = []
     try:
         for _ in range(count):
@@ -76,7 +86,9 @@ def test_tenants_spread_over_the_shards_and_are_exclusive_on_each(
         rng = random.Random(run_id)
         order = tenants * 20
         rng.shuffle(order)
-        calls = [core.step.delay(t, table, rng.uniform(0.005, 0.05)) for t in order]
+        calls = [
+            core.step.apply_async((t, table, rng.uniform(0.005, 0.05)), queue=QUEUE) for t in order
+        ]
         results = [call.get(timeout=RESULT_TIMEOUT) for call in calls]
     finally:
         for worker in workers:
@@ -111,8 +123,8 @@ def test_a_shard_that_is_down_fails_closed_for_its_tenants_and_the_others_run_on
     assert down and up
     workers = shard_workers(app, worker_env, log_dir, shards, 1)
     try:
-        failed = [core.step.delay(t, table, 0) for t in down]
-        fine = [core.step.delay(t, table, 0) for t in up]
+        failed = [core.step.apply_async((t, table, 0), queue=QUEUE) for t in down]
+        fine = [core.step.apply_async((t, table, 0), queue=QUEUE) for t in up]
         failures = [call.get(timeout=RESULT_TIMEOUT, propagate=False) for call in failed]
         results = [call.get(timeout=RESULT_TIMEOUT) for call in fine]
     finally:
