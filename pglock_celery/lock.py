@@ -215,7 +215,7 @@ class AdvisoryLock:
             if not granted:
                 with contextlib.suppress(PglockError):
                     previous.release()
-        if previous.loss is not None:  # lost while this one was taken: no lock
+        if granted and previous.loss is not None:  # lost while this one was taken: no lock
             with contextlib.suppress(PglockError):
                 self.release(reusable=False)
             raise LockLost(f"lock {self.label} was granted but not valid: {previous.loss}")
