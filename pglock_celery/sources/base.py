@@ -254,12 +254,12 @@ class Source(abc.ABC):
             except LockUnavailable as exc:
                 if not refused:
                     raise
-                raise LockUnavailable(
-                    f"no server of {describe_target(self.config.require_dsn())} is confirmed "
-                    f"as {self.fence.name}'s leader, so no lock is taken: "
-                    + "; ".join([*refused, str(exc)])
-                ) from exc
-            loss = self.leader_problem(session)
+                raise self._no_leader([*refused, str(exc)]) from exc
+            try:
+                loss = self.leader_problem(session)
+            except BaseException:
+                session.close()
+                raise
             if loss is None:
                 return session
             host, port = session.conn.info.host, session.conn.info.port
@@ -267,11 +267,15 @@ class Source(abc.ABC):
             refused.append(f"{host}:{port}: {loss}")
             rest = without_server(config.require_dsn(), host, port)
             if rest is None:
-                raise LockUnavailable(
-                    f"no server of {describe_target(self.config.require_dsn())} is confirmed "
-                    f"as {self.fence.name}'s leader, so no lock is taken: " + "; ".join(refused)
-                )
+                raise self._no_leader(refused)
             config = config.with_dsn(rest)
+
+    def _no_leader(self, refused: list[str]) -> LockUnavailable:
+        assert self.fence is not None
+        return LockUnavailable(
+            f"no server of {describe_target(self.config.require_dsn())} is confirmed as "
+            f"{self.fence.name}'s leader, so no lock is taken: " + "; ".join(refused)
+        )
 
     @abc.abstractmethod
     def acquire(self, hold: Hold, *, wait: bool, timeout: float | None) -> bool:
