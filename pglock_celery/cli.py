@@ -33,7 +33,7 @@ from .guard import (
 )
 from .inspect import Holder, list_holders
 from .keys import lock_key
-from .shards import Shard
+from .shards import Shard, parse_shards
 
 if TYPE_CHECKING:
     from .config import PglockConfig
@@ -73,23 +73,32 @@ def _targets(args: argparse.Namespace) -> list[tuple[str | None, str]]:
 
 
 def _shards(args: argparse.Namespace) -> tuple[Shard, ...] | None:
-    """The app's (or else the environment's) pglock_shards, or None."""
-    config = _sharded_settings(args)
-    return None if config is None else config.shards
+    """The app's (or else the environment's) pglock_shards, parsed; None when unset.
+
+    Read on its own, so that another invalid setting (the doctor's finding) does not
+    hide the shards; an invalid value of its own is bad input.
+    """
+    app = _app(args)
+    raw = app.conf.get("pglock_shards") if app is not None else None
+    if raw is None:
+        raw = os.environ.get("PGLOCK_SHARDS") or None
+    try:
+        return parse_shards(raw)
+    except ValueError as exc:
+        raise UsageError(f"invalid setting pglock_shards=<hidden>: {exc}") from None
 
 
 def _sharded_settings(args: argparse.Namespace) -> PglockConfig | None:
     """The app's (or else the environment's) settings when they set pglock_shards."""
     from .config import get_config, load_config
 
+    if _shards(args) is None:
+        return None
     app = _app(args)
     try:
-        config = get_config(app) if app is not None else load_config(None)
+        return get_config(app) if app is not None else load_config(None)
     except PglockError as exc:
-        if "shard" in str(exc).lower():
-            raise UsageError(str(exc)) from None
-        return None  # another setting is invalid: the doctor reports it
-    return config if config.shards is not None else None
+        raise UsageError(str(exc)) from None
 
 
 def _headed(shard: str | None, dsn: str) -> str:
