@@ -1,4 +1,5 @@
-"""The pglock-celery command: who holds which lock, a key for a name, a doctor, guards.
+"""The pglock-celery command: who holds which lock, a key for a name, a doctor, guards,
+the steps of a change of the shards.
 
 The same command runs as ``celery -A proj pglock ...`` (see celery_command.py);
 ``-A/--app`` gives either one the Celery app whose ``pglock_dsn`` to use.
@@ -11,6 +12,7 @@ traceback or a password).
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime as dt
 import json
 import os
@@ -33,6 +35,7 @@ from .guard import (
 )
 from .inspect import Holder, list_holders
 from .keys import lock_key
+from .rollout import MapIdentity, Rollout, describe
 from .shards import Shard, parse_shards
 
 if TYPE_CHECKING:
@@ -319,6 +322,89 @@ def cmd_guard_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollout(args: argparse.Namespace, *, moving: bool) -> tuple[Rollout, MapIdentity]:
+    """The databases of both maps (each once) and this configuration's map identity;
+    with ``moving``, a configuration of a change of the shards is required."""
+    config = _sharded_settings(args)
+    identity = None if config is None else config.map_identity
+    if config is None or identity is None:
+        raise UsageError("no pglock_shards is set: give the app (-A) or PGLOCK_SHARDS")
+    if moving and not identity.transition:
+        raise UsageError(
+            "this needs the configuration of the change: pglock_shards the new map and "
+            "pglock_shards_previous the old one"
+        )
+    databases: dict[str, tuple[str, str]] = {}
+    for shard in (*(config.shards or ()), *(config.shards_previous or ())):
+        databases.setdefault(describe_target(shard.dsn), (shard.name, _usable_dsn(shard.dsn)))
+    return Rollout(list(databases.values()), config.application_name, connect), identity
+
+
+def _print_accepted(rollout: Rollout) -> dict[str, list[str] | None]:
+    accepted = rollout.accepted()
+    for shard, dsn in rollout.shards:
+        maps = accepted[shard]
+        print(f"{_headed(shard, dsn)} accepts {', '.join(maps) if maps else 'every map'}"
+              + ("" if maps is not None else " (no record)"))  # fmt: skip
+    return accepted
+
+
+def cmd_shards_status(args: argparse.Namespace) -> int:
+    rollout, identity = _rollout(args, moving=False)
+    if identity.transition:
+        print(f"this configuration: the change from map {identity.previous} to map "
+              f"{identity.steady} (its sessions record {identity.name})")  # fmt: skip
+    else:
+        print(f"this configuration: map {identity.name}")
+    _print_accepted(rollout)
+    for shard, sessions in rollout.connected().items():
+        counts = collections.Counter(session.map or "(none recorded)" for session in sessions)
+        shown = ", ".join(f"{n} of map {m}" for m, n in sorted(counts.items())) or "none"
+        print(f"shard {shard}: lock sessions connected: {shown}")
+    return 0
+
+
+def cmd_shards_begin(args: argparse.Namespace) -> int:
+    rollout, identity = _rollout(args, moving=True)
+    old, new = identity.previous, identity.steady
+    assert old is not None
+    rollout.accept([old, identity.name])
+    _print_accepted(rollout)
+    foreign = {
+        shard: [s for s in sessions if s.map]
+        for shard, sessions in rollout.in_the_way([old, identity.name]).items()
+    }
+    if any(foreign.values()):
+        print(f"begun, but sessions of other maps are connected: {describe(foreign)}; "
+              "they were let in before: stop those workers")  # fmt: skip
+        return 1
+    print(f"begun: old-map workers (map {old}) and transition workers (map {identity.name}) "
+          f"lock; new-map workers (map {new}) are refused until `shards finish`")  # fmt: skip
+    return 0
+
+
+def cmd_shards_finish(args: argparse.Namespace) -> int:
+    rollout, identity = _rollout(args, moving=True)
+    old, new = identity.previous, identity.steady
+    final = [identity.name, new]
+    if all(maps is not None and set(final) <= set(maps) for maps in rollout.accepted().values()):
+        print(f"finished already: map {new} is accepted on every shard")
+        return 0
+    rollout.accept([identity.name])
+    print(f"old-map workers (map {old}) are refused from now: waiting up to {args.wait:g} s "
+          "for every session of another map to end")  # fmt: skip
+    left = rollout.drain([identity.name], args.wait, print)
+    if left:
+        print(f"not finished: {describe(left)}; meanwhile old-map and new-map workers are "
+              "refused, transition workers lock: stop those workers, run finish again")  # fmt: skip
+        return 1
+    rollout.accept(final)
+    _print_accepted(rollout)
+    print(f"finished: map {new} is accepted; roll the workers over to the new map alone "
+          "(pglock_shards_previous unset)")  # fmt: skip
+    return 0
+
+
 def build_parser(prog: str = "pglock-celery") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     _add_app_options(parser)
@@ -351,6 +437,25 @@ def build_parser(prog: str = "pglock-celery") -> argparse.ArgumentParser:
         help="advisory locks the fleet may hold at once (its running locked calls at peak)",
     )
     doctor.set_defaults(run=cmd_doctor)
+
+    shards = commands.add_parser(
+        "shards", help="a change of pglock_shards, step by step (docs/shards.md)"
+    )
+    steps = shards.add_subparsers(dest="shards_command", required=True)
+    status = steps.add_parser("status", help="which maps each shard accepts, who is connected")
+    status.set_defaults(run=cmd_shards_status)
+    begin = steps.add_parser(
+        "begin", help="accept the old map and the transition, refuse the new map"
+    )
+    begin.set_defaults(run=cmd_shards_begin)
+    finish = steps.add_parser(
+        "finish", help="refuse the old map, wait until its workers are gone, accept the new"
+    )
+    finish.add_argument(
+        "--wait", type=float, default=300.0, metavar="SECONDS",
+        help="how long to wait for the old map's sessions to end (default 300)",
+    )  # fmt: skip
+    finish.set_defaults(run=cmd_shards_finish)
 
     guard = commands.add_parser(
         "guard", help="guarded tables: Postgres refuses a write without the row's lock"

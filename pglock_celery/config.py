@@ -40,6 +40,7 @@ from psycopg.conninfo import conninfo_to_dict
 from .dsn import dsn_problem
 from .exceptions import ConfigurationError, LockNameError
 from .leader import parse_setting as parse_leader_setting
+from .rollout import MapIdentity, map_identity
 from .shards import DEFAULT, Rule, Shard, parse_rule, parse_shards, rendezvous
 
 _CACHE_ATTRIBUTE = "_pglock_config"
@@ -319,6 +320,17 @@ class PglockConfig:
         _refuse_mixed_shards(self)
         if self.database is not None:
             object.__setattr__(self, "dsn", _database_dsn(self.database, self.strategy, self.dsn))
+        # Not a field: each shard's configuration (a copy) keeps its whole map's.
+        identity = map_identity(self.shards, self.shards_previous, self.shard_rule, self.dsn)
+        object.__setattr__(self, "_map", identity)
+
+    @property
+    def map_identity(self) -> MapIdentity | None:
+        """The shard map that this configuration's lock sessions record on their
+        database (rollout.py): the whole map's (with the previous one during a change
+        of the shards), also in each shard's configuration."""
+        found: MapIdentity | None = self.__dict__.get("_map")
+        return found
 
     @property
     def server_bound(self) -> float:

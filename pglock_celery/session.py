@@ -55,6 +55,7 @@ from .handles import (
     green_wait,
 )
 from .leader import ServerIdentity
+from .rollout import enter
 
 #: Postgres truncates application_name to NAMEDATALEN - 1 bytes.
 APPLICATION_NAME_MAX_BYTES = 63
@@ -282,7 +283,8 @@ def open_session(
     # The library's own statements on it never wait for ever on a frozen server.
     conn.statement_deadline = max(STATEMENT_DEADLINE, config.tcp_user_timeout)
     try:
-        backend_pid, pooled, started = _verify_session(conn, config, token)
+        backend_pid, pooled, started, recorded = _verify_session(conn, config, token)
+        _enter_map(conn, config, recorded, where)
         identity = identify(conn) if identify is not None else None
     except psycopg.Error as exc:
         conn.close()
@@ -301,13 +303,33 @@ def open_session(
     return session
 
 
+def _enter_map(
+    conn: psycopg.Connection[Any], config: PglockConfig, recorded: bool, where: str
+) -> None:
+    """Where the database keeps the record of the shard maps, record this session's
+    and refuse it if its map is not accepted (rollout.py); a transition's session
+    refuses a database without the record (its rollout was not begun there)."""
+    identity = config.map_identity
+    if identity is None:
+        return
+    if recorded:
+        enter(conn, identity, where)
+    elif identity.transition:
+        raise LockUnavailable(
+            f"this worker runs a change of pglock_shards (pglock_shards_previous is set), "
+            f"and {where} keeps no record of the shard maps: run `pglock-celery shards "
+            "begin` with this configuration first"
+        )
+
+
 def _verify_session(
     conn: psycopg.Connection[Any], config: PglockConfig, token: str
-) -> tuple[int, bool, tuple[int, int]]:
+) -> tuple[int, bool, tuple[int, int], bool]:
     """Prove that ``conn`` is a backend of its own with our settings.
 
     Returns the server's backend pid, whether the session goes through a pooler,
-    and when its backend and its server started (microseconds, for probe.py).
+    when its backend and its server started (microseconds, for probe.py), and whether
+    the database keeps the record of the shard maps.
 
     A session lock belongs to one server backend. Connected directly, the
     backend's pid is the one libpq got at startup, and the startup options
@@ -319,10 +341,10 @@ def _verify_session(
     """
     row = conn.execute(sql.VERIFY_SESSION, (sql.SESSION_TOKEN_SETTING,)).fetchone()
     assert row is not None
-    backend_pid, seen, backend_started, server_started = row
+    backend_pid, seen, backend_started, server_started, recorded = row
     started = (backend_started, server_started)
     if backend_pid == conn.info.backend_pid and seen == token:
-        return backend_pid, False, started
+        return backend_pid, False, started, recorded
     if config.pooler != "session":
         conn.close()
         found = (
@@ -338,7 +360,7 @@ def _verify_session(
             'pglock_pooler = "session" if it is a session-mode pooler'
         )
     apply_settings(conn, config, token)
-    return backend_pid, True, started
+    return backend_pid, True, started, recorded
 
 
 def apply_settings(conn: psycopg.Connection[Any], config: PglockConfig, token: str) -> None:

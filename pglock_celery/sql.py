@@ -256,12 +256,72 @@ def set_session_settings(count: int) -> bytes:
     return f"SELECT {calls}".encode()
 
 
-#: The backend a new session landed on, whether its startup options are in force, and
-#: when its backend and its server started (microseconds since 1970, for probe.py).
+#: Whether this database keeps the record of the shard maps (rollout.py).
+_SHARD_RECORD = (
+    b"pg_catalog.to_regclass('public.pglock_shard_sessions') IS NOT NULL"
+    b" AND pg_catalog.to_regclass('public.pglock_shard_maps') IS NOT NULL"
+)
+#: The backend a new session landed on, whether its startup options are in force,
+#: when its backend and its server started (microseconds since 1970, for probe.py), and
+#: whether the database keeps the record of the shard maps.
 VERIFY_SESSION = (
     b"SELECT pg_catalog.pg_backend_pid(), pg_catalog.current_setting(%s, true),"
     b" (SELECT (EXTRACT(epoch FROM a.backend_start) * 1000000)::pg_catalog.int8"
     b" FROM pg_catalog.pg_stat_get_activity(pg_catalog.pg_backend_pid()) AS a),"
     b" (EXTRACT(epoch FROM pg_catalog.pg_postmaster_start_time())"
-    b" * 1000000)::pg_catalog.int8"
+    b" * 1000000)::pg_catalog.int8, " + _SHARD_RECORD
+)
+SHARD_RECORD_EXISTS = b"SELECT " + _SHARD_RECORD
+
+# -- the fence of a change of the shards (rollout.py) ------------------------------
+
+#: A lock session records the map it came with (%s), under its pid and its backend's
+#: start: a later session with the same pid replaces a gone one's row.
+ENTER_MAP = (
+    b"INSERT INTO public.pglock_shard_sessions (pid, backend_start, map)"
+    b" SELECT pg_catalog.pg_backend_pid(), a.backend_start, %s"
+    b" FROM pg_catalog.pg_stat_get_activity(pg_catalog.pg_backend_pid()) AS a"
+    b" ON CONFLICT (pid) DO UPDATE"
+    b" SET backend_start = excluded.backend_start, map = excluded.map"
+)
+#: Whether the map %s is accepted here, and the maps that are.
+MAP_ACCEPTED = (
+    b"SELECT coalesce(bool_or(map = %s), false),"
+    b" coalesce(string_agg(map, ', ' ORDER BY map), '')"
+    b" FROM public.pglock_shard_maps"
+)
+#: The record, made by the operator's command (``pglock-celery shards``); every lock
+#: session may record itself and read which maps are accepted.
+CREATE_SHARD_RECORD = (
+    b"CREATE TABLE IF NOT EXISTS public.pglock_shard_maps"
+    b" (map text PRIMARY KEY, since timestamptz NOT NULL DEFAULT pg_catalog.now())",
+    b"CREATE TABLE IF NOT EXISTS public.pglock_shard_sessions"
+    b" (pid integer PRIMARY KEY, backend_start timestamptz NOT NULL, map text NOT NULL)",
+    b"GRANT SELECT ON public.pglock_shard_maps TO PUBLIC",
+    b"GRANT SELECT, INSERT, UPDATE ON public.pglock_shard_sessions TO PUBLIC",
+    # A gone session's row is never in the way, but need not stay either.
+    b"DELETE FROM public.pglock_shard_sessions AS s WHERE NOT EXISTS (SELECT FROM"
+    b" pg_catalog.pg_stat_activity AS a WHERE a.pid = s.pid AND a.backend_start = s.backend_start)",
+)
+#: Accept no map but those of the array %s (then ACCEPT_MAP each).
+ACCEPT_ONLY = b"DELETE FROM public.pglock_shard_maps WHERE map <> ALL (%s::text[])"
+ACCEPT_MAP = b"INSERT INTO public.pglock_shard_maps (map) VALUES (%s) ON CONFLICT DO NOTHING"
+ACCEPTED_MAPS = b"SELECT map FROM public.pglock_shard_maps ORDER BY map"
+#: The live lock sessions with the map each recorded ('' for none): recorded ones,
+#: and those named as lock sessions (application_name matching %s) that recorded none.
+CONNECTED_SESSIONS = (
+    b"SELECT coalesce(s.map, ''), a.pid, a.application_name, pg_catalog.host(a.client_addr)"
+    b" FROM pg_catalog.pg_stat_activity AS a LEFT JOIN public.pglock_shard_sessions AS s"
+    b" ON s.pid = a.pid AND s.backend_start = a.backend_start"
+    b" WHERE a.pid <> pg_catalog.pg_backend_pid() AND a.backend_type = 'client backend'"
+    b" AND a.datname = pg_catalog.current_database()"
+    b" AND (s.map IS NOT NULL OR a.application_name ~ %s) ORDER BY 1, 2"
+)
+#: The same where no record exists: every lock session, none with a map.
+UNRECORDED_SESSIONS = (
+    b"SELECT '', a.pid, a.application_name, pg_catalog.host(a.client_addr)"
+    b" FROM pg_catalog.pg_stat_activity AS a"
+    b" WHERE a.pid <> pg_catalog.pg_backend_pid() AND a.backend_type = 'client backend'"
+    b" AND a.datname = pg_catalog.current_database()"
+    b" AND a.application_name ~ %s ORDER BY 2"
 )

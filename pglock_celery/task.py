@@ -277,9 +277,12 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
                 timeout,
             )
         mode, timeout = options[2], options[3]
-        config = get_config(self.app)
+        # The lock is made with every shard (and, during a change of the shards, the
+        # previous map, for a moving name's lock there); the call's own settings are
+        # its name's shard's.
+        whole = config = get_config(self.app)
         if config.shards is not None:
-            config = config.for_key(lock_key(name), name)  # the name's own shard
+            config = config.for_key(lock_key(name), name)
         config.require_dsn()
         outer = current_lock()
         if (
@@ -302,7 +305,7 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         body = Body(name, registry.monitor, task=self.name) if config.on_lost == INTERRUPT else None
         lock = AdvisoryLock(
             name,
-            config=config,
+            config=whole,
             wait=mode == WAIT,
             timeout=timeout,
             task_id=self.request.id,

@@ -4,7 +4,6 @@ that is down fails closed for its tenants only, the others run on."""
 
 from __future__ import annotations
 
-import json
 import random
 import uuid
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from pglock_celery.shards import parse_shards
 from tests.apps import core
 from tests.support.history import Run, create_history, overlaps, read_history
 from tests.support.services import free_port, own_database
+from tests.support.shard_workers import start_shard_workers
 from tests.support.workers import Worker
 
 RESULT_TIMEOUT = 60
@@ -46,23 +46,7 @@ def table(three: dict[str, str]) -> str:
 def shard_workers(
     app: Celery, worker_env: dict[str, str], log_dir: Path, shards: dict[str, str], count: int
 ) -> list[Worker]:
-    """``count`` prefork workers on ``shards``, on QUEUE: a queue of their own (the
-    session's unsharded workers, if running, listen on the session's queue)."""
-    env = {
-        **worker_env,
-        "PGLOCK_DSN": "",
-        "PGLOCK_SHARDS": json.dumps(shards),
-        "PGLOCK_TEST_QUEUE": QUEUE,
-    }
-    started: list[Worker] = []
-    try:
-        for _ in range(count):
-            started.append(Worker(app, "tests.apps.core", env, log_dir, concurrency=2))
-    except BaseException:
-        for worker in started:
-            worker.stop()
-        raise
-    return started
+    return start_shard_workers(app, worker_env, log_dir, QUEUE, shards, count=count)
 
 
 def shard_of(config: PglockConfig, tenant: str) -> str:

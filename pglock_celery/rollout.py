@@ -1,0 +1,204 @@
+"""The fence of a change of the shards: old-map and new-map workers never hold at once.
+
+A worker on the old map locks a moving name on its old shard, a worker on the new map
+on its new one: the two share no lock. The transition (``pglock_shards_previous``)
+takes both, so it excludes either; what keeps old-map and new-map workers from
+running at once is this record on every shard's database:
+
+- ``public.pglock_shard_maps``: the maps whose workers may lock there;
+- ``public.pglock_shard_sessions``: which map each lock session came with (its pid and
+  its backend's start, so a row of a session gone since is stale, never in the way).
+
+Every lock session, once connected, records its map, and then (in a statement of its
+own, so after the record is committed) reads whether its map is accepted: refused, it
+is closed and the lock fails closed (LockUnavailable). The operator's ``finish`` first
+accepts only the transition, then waits until no session of another map is connected
+(each one accepted before is recorded before it read, so it is seen), and only then
+accepts the new map. A shard without the record accepts every map, as before any
+rollout: a transition worker refuses to run there (``pglock-celery shards begin``
+first).
+
+A map is known by its shards' names and databases (``host:port/dbname``, never a
+password) and its rule's name (:class:`MapIdentity`): the transition's identity is
+the pair, ``previous>new``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import psycopg
+
+from . import sql
+from .dsn import describe_target
+from .exceptions import LockUnavailable
+from .shards import DEFAULT, Rule, Shard
+
+__all__ = ["MapIdentity", "Rollout", "enter", "map_identity"]
+
+#: How often ``finish`` looks again for sessions of a map no longer accepted.
+DRAIN_POLL = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class MapIdentity:
+    """A shard map's name as its lock sessions record it: the new map's digest, and
+    during a transition the previous map's too."""
+
+    steady: str
+    previous: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.steady if self.previous is None else f"{self.previous}>{self.steady}"
+
+    @property
+    def transition(self) -> bool:
+        return self.previous is not None
+
+
+def _digest(shards: Sequence[Shard] | None, dsn: str | None, rule: Rule | None) -> str:
+    placed = (
+        sorted((shard.name, describe_target(shard.dsn)) for shard in shards)
+        if shards is not None
+        else [(DEFAULT, describe_target(dsn or ""))]
+    )
+    named = None if rule is None else f"{rule.__module__}:{getattr(rule, '__qualname__', rule)}"
+    text = json.dumps({"shards": placed, "rule": named}, sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+
+
+def map_identity(
+    shards: Sequence[Shard] | None,
+    previous: Sequence[Shard] | None,
+    rule: Rule | None,
+    dsn: str | None,
+) -> MapIdentity:
+    """The identity of the map ``shards`` (``dsn`` alone without them), and of the
+    transition from ``previous`` when given."""
+    steady = _digest(shards, dsn, rule)
+    return MapIdentity(steady, None if previous is None else _digest(previous, None, rule))
+
+
+def enter(conn: psycopg.Connection[Any], identity: MapIdentity, where: str) -> None:
+    """Record that this lock session came with ``identity`` and check that its map is
+    accepted here; LockUnavailable (saying why) if not. Only where the record exists."""
+    conn.execute(sql.ENTER_MAP, (identity.name,))
+    # A statement of its own: its snapshot is taken after the record above committed,
+    # so a finish that stopped accepting this map either is seen here or sees this.
+    row = conn.execute(sql.MAP_ACCEPTED, (identity.name,)).fetchone()
+    assert row is not None
+    accepted, maps = row
+    if not accepted:
+        raise LockUnavailable(
+            f"the shard map {identity.name} of this worker is not accepted on {where} "
+            f"(it accepts {maps or 'none'}): a change of pglock_shards is under way "
+            "(pglock-celery shards status says which step)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Connected:
+    """A lock session connected to a shard's database, as ``finish`` and ``status`` see it."""
+
+    map: str  # '' for a session that recorded none (connected before the record existed)
+    pid: int
+    application_name: str
+    client: str | None
+
+
+Connect = Callable[[str], psycopg.Connection[Any]]
+
+
+class Rollout:
+    """The operator's side of a change of the shards, over every database of both maps.
+
+    ``shards``: every shard database concerned, name and DSN (the union of the old and
+    the new map); ``prefix``: the lock sessions' application_name prefix (sessions
+    connected before the record existed are known by it); ``connect``: how to open an
+    inspection session on a DSN.
+    """
+
+    def __init__(self, shards: Sequence[tuple[str, str]], prefix: str, connect: Connect) -> None:
+        self.shards = shards
+        self.pattern = f"^{re.escape(prefix)}(-[^|]*)?[|]"
+        self.connect = connect
+
+    def accept(self, maps: Iterable[str]) -> None:
+        """On every shard, create the record if need be and accept exactly ``maps``."""
+        wanted = sorted(set(maps))
+        for _, dsn in self.shards:
+            with self.connect(dsn) as conn, conn.transaction():
+                for statement in sql.CREATE_SHARD_RECORD:
+                    conn.execute(statement)
+                conn.execute(sql.ACCEPT_ONLY, (wanted,))
+                for name in wanted:
+                    conn.execute(sql.ACCEPT_MAP, (name,))
+
+    def accepted(self) -> dict[str, list[str] | None]:
+        """Each shard's accepted maps (None where no record exists)."""
+        found: dict[str, list[str] | None] = {}
+        for shard, dsn in self.shards:
+            with self.connect(dsn) as conn:
+                row = conn.execute(sql.SHARD_RECORD_EXISTS).fetchone()
+                if row is None or not row[0]:
+                    found[shard] = None
+                    continue
+                found[shard] = [r[0] for r in conn.execute(sql.ACCEPTED_MAPS).fetchall()]
+        return found
+
+    def connected(self) -> dict[str, list[Connected]]:
+        """Each shard's live lock sessions with the map each recorded."""
+        found: dict[str, list[Connected]] = {}
+        for shard, dsn in self.shards:
+            with self.connect(dsn) as conn:
+                row = conn.execute(sql.SHARD_RECORD_EXISTS).fetchone()
+                query = sql.CONNECTED_SESSIONS if row and row[0] else sql.UNRECORDED_SESSIONS
+                rows = conn.execute(query, (self.pattern,)).fetchall()
+                found[shard] = [Connected(*r) for r in rows]
+        return found
+
+    def in_the_way(self, keep: Iterable[str]) -> dict[str, list[Connected]]:
+        """Each shard's live lock sessions whose map is not one of ``keep``."""
+        kept = set(keep)
+        return {
+            shard: [s for s in sessions if s.map not in kept]
+            for shard, sessions in self.connected().items()
+        }
+
+    def drain(
+        self, keep: Iterable[str], timeout: float, report: Callable[[str], None]
+    ) -> dict[str, list[Connected]]:
+        """Wait until no shard has a live lock session of a map other than ``keep``, at
+        most ``timeout`` seconds; what is left (empty when drained)."""
+        kept = list(keep)
+        deadline = time.monotonic() + timeout
+        said = None
+        while True:
+            left = {s: found for s, found in self.in_the_way(kept).items() if found}
+            if not left or time.monotonic() >= deadline:
+                return left
+            summary = describe(left)
+            if summary != said:
+                report(f"waiting for {summary}")
+                said = summary
+            time.sleep(DRAIN_POLL)
+
+
+def describe(sessions: dict[str, list[Connected]]) -> str:
+    """``3 session(s) of map X on shard a (pids 1, 2, 3)``, one clause per map and shard."""
+    parts = []
+    for shard, found in sessions.items():
+        by_map: dict[str, list[int]] = {}
+        for session in found:
+            by_map.setdefault(session.map or "(none recorded)", []).append(session.pid)
+        for name, pids in sorted(by_map.items()):
+            shown = ", ".join(str(pid) for pid in pids[:5]) + (", ..." if len(pids) > 5 else "")
+            parts.append(f"{len(pids)} session(s) of map {name} on shard {shard} (pids {shown})")
+    return "; ".join(parts)

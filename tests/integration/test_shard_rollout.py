@@ -1,0 +1,207 @@
+"""A rollout from two shards to three with real workers (docs/shards.md, "Changing
+the shards"): workers on the old map, the transition and the new map at once, through
+every step of ``pglock-celery shards``. No tenant, moving or not, ever has two holders;
+a moving tenant's runs come from more than one kind of worker in each step, so an
+overlap had its chance; and the new map's workers lock once the old map's are gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from pglock_celery import LockUnavailable
+from pglock_celery.config import PglockConfig
+from pglock_celery.keys import lock_key
+from pglock_celery.lock import AdvisoryLock
+from pglock_celery.shards import parse_shards
+from pglock_celery.sources import registry
+from tests.apps import core
+from tests.support.history import Run, create_history, overlaps, read_history
+from tests.support.services import own_database
+from tests.support.shard_workers import start_shard_workers, stop_all
+
+RESULT_TIMEOUT = 90
+#: The queue the rollout's workers alone listen on.
+QUEUE = f"pglock-rollout-tests-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def three(pg_dsn: str) -> Iterator[dict[str, str]]:
+    with own_database(pg_dsn) as a, own_database(pg_dsn) as b, own_database(pg_dsn) as c:
+        yield {"a": a, "b": b, "c": c}
+
+
+@pytest.fixture
+def two(three: dict[str, str]) -> dict[str, str]:
+    """The old map: shards a and b (the new one adds c)."""
+    return {"a": three["a"], "b": three["b"]}
+
+
+@pytest.fixture
+def table(three: dict[str, str]) -> str:
+    """One history table, of one name, in every shard's database (dropped with them)."""
+    name = create_history(three["a"])
+    for dsn in (three["b"], three["c"]):
+        create_history(dsn, name)
+    return name
+
+
+def home(shards: dict[str, str], tenant: str) -> str:
+    name = f"tenant:{tenant}"
+    return PglockConfig(shards=parse_shards(shards)).shard_of(lock_key(name), name)
+
+
+def tenants_of(
+    run_id: str, two: dict[str, str], three: dict[str, str]
+) -> tuple[list[str], list[str]]:
+    """Six tenants that move from a or b to c, and six that stay where they are."""
+    moving, staying = [], []
+    for n in range(400):
+        tenant = f"{run_id}-{n}"
+        (moving if home(two, tenant) != home(three, tenant) else staying).append(tenant)
+    assert len(moving) >= 6 and len(staying) >= 6
+    return moving[:6], staying[:6]
+
+
+def runs_everywhere(three: dict[str, str], table: str) -> dict[str, list[Run]]:
+    """Every recorded run, by the shard whose database it was written to."""
+    return {shard: read_history(dsn, table) for shard, dsn in three.items()}
+
+
+def run_mix(tenants: list[str], table: str, seed: str, calls: int = 120) -> list[object]:
+    """``calls`` locked steps over ``tenants`` on QUEUE, each 5 to 40 ms; their results
+    (a refused call's is its LockUnavailable)."""
+    rng = random.Random(seed)
+    order = [rng.choice(tenants) for _ in range(calls)]
+    pending = [
+        core.step.apply_async((t, table, rng.uniform(0.005, 0.04)), queue=QUEUE) for t in order
+    ]
+    return [call.get(timeout=RESULT_TIMEOUT, propagate=False) for call in pending]
+
+
+def outcomes(results: list[object]) -> dict[str, int]:
+    """How many calls ran, skipped (their tenant locked) and were refused (their map)."""
+    counted = {"ran": 0, "skipped": 0, "refused": 0}
+    for result in results:
+        if isinstance(result, LockUnavailable):
+            counted["refused"] += 1
+        elif isinstance(result, dict) and (result.get("ran") or result.get("skipped")):
+            counted["ran" if result.get("ran") else "skipped"] += 1
+        else:
+            raise AssertionError(f"a call neither ran, skipped nor was refused: {result!r}")
+    return counted
+
+
+def shards_step(new: dict[str, str], old: dict[str, str], *args: str) -> str:
+    """``pglock-celery shards ARGS`` with the change from ``old`` to ``new``; its output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PGLOCK_")}
+    env.update(PGLOCK_SHARDS=json.dumps(new), PGLOCK_SHARDS_PREVIOUS=json.dumps(old))
+    done = subprocess.run(
+        [sys.executable, "-m", "pglock_celery.cli", "-A", "tests.apps.bare:app", "shards", *args],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode in (0, 1), done.stderr
+    return f"exit {done.returncode}\n{done.stdout}"
+
+
+def test_old_transition_and_new_map_workers_at_once_give_no_tenant_two_holders(
+    app: Celery,
+    worker_env: dict[str, str],
+    log_dir: Path,
+    three: dict[str, str],
+    two: dict[str, str],
+    table: str,
+    run_id: str,
+) -> None:
+    """Old-map, transition and new-map workers all run from the rollout's begin: the
+    new map's are refused until finish, which waits for the old map's to be gone."""
+    moving, staying = tenants_of(run_id, two, three)
+    tenants = moving + staying
+    old = start_shard_workers(app, worker_env, log_dir, QUEUE, two)
+    workers = list(old)
+    try:
+        before = outcomes(run_mix(tenants, table, f"{run_id}-before"))
+        assert shards_step(three, two, "begin").startswith("exit 0"), "begin failed"
+        workers += start_shard_workers(app, worker_env, log_dir, QUEUE, three, previous=two)
+        new = start_shard_workers(app, worker_env, log_dir, QUEUE, three)
+        workers += new
+        at_once = outcomes(run_mix(tenants, table, f"{run_id}-at-once"))
+        held_back = shards_step(three, two, "finish", "--wait", "1")
+        assert held_back.startswith("exit 1") and "not finished" in held_back, held_back
+        finishing = outcomes(run_mix(tenants, table, f"{run_id}-finishing"))
+        stop_all(old)
+        finished = shards_step(three, two, "finish", "--wait", "60")
+        assert finished.startswith("exit 0") and "finished: map" in finished, finished
+        after = outcomes(run_mix(tenants, table, f"{run_id}-after"))
+        new_pids = {pid for worker in new for pid in worker.children()}
+    finally:
+        stop_all(workers)
+    runs = runs_everywhere(three, table)
+    every = [run for here in runs.values() for run in here]
+    where = {id(run): shard for shard, here in runs.items() for run in here}
+    assert [
+        [(where[id(r)], r.lock_name, r.worker_pid, str(r.started), str(r.finished)) for r in pair]
+        for pair in overlaps(every)
+    ] == []
+    assert len(every) == sum(o["ran"] for o in (before, at_once, finishing, after))
+    assert before["refused"] == 0 and after["refused"] == 0, (before, after)
+    # The new map's workers took calls and were refused while the old map's ran...
+    assert at_once["refused"] and finishing["refused"], (at_once, finishing)
+    assert all(o["skipped"] for o in (at_once, finishing, after)), "no call met a held lock"
+    names = {f"tenant:{t}" for t in moving}
+    on_old = {
+        run.worker_pid for shard in ("a", "b") for run in runs[shard] if run.lock_name in names
+    }
+    on_new = {run.worker_pid for run in runs["c"] if run.lock_name in names}
+    assert on_old and on_new, "a moving tenant ran on only one of its shards"
+    # ... and ran its moving tenants on c once the old map's were gone.
+    assert on_new & new_pids, "no new-map worker ran a moving tenant"
+
+
+def test_a_new_map_holder_is_refused_until_the_rollout_finishes(
+    three: dict[str, str], two: dict[str, str], run_id: str
+) -> None:
+    """In one process, what the workers above do: without the record an old-map and a
+    new-map holder of a moving name do not exclude each other (the hazard); from begin
+    the new map's is refused, the transition excluded by the old; after finish the new
+    map's holds and the old map's is refused."""
+    moving, _ = tenants_of(run_id, two, three)
+    name = f"tenant:{moving[0]}"
+    # Distinct prefixes: one process, yet each map's sessions apart, as in workers.
+    old = PglockConfig(shards=parse_shards(two), application_name="pglock-old")
+    new = PglockConfig(shards=parse_shards(three), application_name="pglock-new")
+    transition = PglockConfig(
+        shards=parse_shards(three), shards_previous=parse_shards(two), application_name="pglock-tr"
+    )
+    try:
+        with AdvisoryLock(name, config=old) as first, AdvisoryLock(name, config=new) as second:
+            assert first.acquired and second.acquired, "the maps share a lock: docs/shards.md"
+        with pytest.raises(LockUnavailable, match="shards begin"):
+            AdvisoryLock(name, config=transition).acquire()
+        registry.close()  # the sessions opened before the record: none recorded a map
+        assert shards_step(three, two, "begin").startswith("exit 0")
+        with AdvisoryLock(name, config=old) as first:
+            assert first.acquired
+            assert not AdvisoryLock(name, config=transition).acquire()
+            with pytest.raises(LockUnavailable, match="not accepted"):
+                AdvisoryLock(name, config=new).acquire()
+        held_back = shards_step(three, two, "finish", "--wait", "0.5")
+        assert held_back.startswith("exit 1"), held_back  # the old map's idle session
+        registry.close()
+        assert shards_step(three, two, "finish", "--wait", "10").startswith("exit 0")
+        with AdvisoryLock(name, config=new) as second:
+            assert second.acquired
+            assert not AdvisoryLock(name, config=transition).acquire()
+        with pytest.raises(LockUnavailable, match="not accepted"):
+            AdvisoryLock(name, config=old).acquire()
+    finally:
+        registry.close()
