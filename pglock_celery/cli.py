@@ -35,7 +35,7 @@ from .guard import (
 )
 from .inspect import Holder, list_holders
 from .keys import lock_key
-from .rollout import MapIdentity, Rollout, describe
+from .rollout import Rollout, describe
 from .shards import Shard, parse_shards
 
 if TYPE_CHECKING:
@@ -322,35 +322,29 @@ def cmd_guard_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rollout(args: argparse.Namespace, *, moving: bool) -> tuple[Rollout, MapIdentity]:
-    """The databases of both maps (each once) and this configuration's map identity;
-    with ``moving``, a configuration of a change of the shards is required."""
+def _rollout(args: argparse.Namespace) -> Rollout:
+    """The databases of both maps (each once), with this configuration's map."""
     config = _sharded_settings(args)
     identity = None if config is None else config.map_identity
     if config is None or identity is None:
         raise UsageError("no pglock_shards is set: give the app (-A) or PGLOCK_SHARDS")
-    if moving and not identity.transition:
-        raise UsageError(
-            "this needs the configuration of the change: pglock_shards the new map and "
-            "pglock_shards_previous the old one"
-        )
     databases: dict[str, tuple[str, str]] = {}
     for shard in (*(config.shards or ()), *(config.shards_previous or ())):
         databases.setdefault(describe_target(shard.dsn), (shard.name, _usable_dsn(shard.dsn)))
-    return Rollout(list(databases.values()), config.application_name, connect), identity
+    return Rollout(list(databases.values()), identity, config.application_name, connect)
 
 
-def _print_accepted(rollout: Rollout) -> dict[str, list[str] | None]:
+def _print_accepted(rollout: Rollout) -> None:
     accepted = rollout.accepted()
     for shard, dsn in rollout.shards:
         maps = accepted[shard]
-        print(f"{_headed(shard, dsn)} accepts {', '.join(maps) if maps else 'every map'}"
-              + ("" if maps is not None else " (no record)"))  # fmt: skip
-    return accepted
+        shown = "every map (no record)" if maps is None else ", ".join(maps) or "no map"
+        print(f"{_headed(shard, dsn)} accepts {shown}")
 
 
 def cmd_shards_status(args: argparse.Namespace) -> int:
-    rollout, identity = _rollout(args, moving=False)
+    rollout = _rollout(args)
+    identity = rollout.identity
     if identity.transition:
         print(f"this configuration: the change from map {identity.previous} to map "
               f"{identity.steady} (its sessions record {identity.name})")  # fmt: skip
@@ -364,44 +358,48 @@ def cmd_shards_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_shards_begin(args: argparse.Namespace) -> int:
-    rollout, identity = _rollout(args, moving=True)
-    old, new = identity.previous, identity.steady
-    assert old is not None
-    rollout.accept([old, identity.name])
+def cmd_shards_init(args: argparse.Namespace) -> int:
+    rollout = _rollout(args)
+    if rollout.identity.transition:
+        raise UsageError("init takes the steady configuration: pglock_shards_previous is set")
+    others = rollout.init()
     _print_accepted(rollout)
-    foreign = {
-        shard: [s for s in sessions if s.map]
-        for shard, sessions in rollout.in_the_way([old, identity.name]).items()
-    }
-    if any(foreign.values()):
-        print(f"begun, but sessions of other maps are connected: {describe(foreign)}; "
-              "they were let in before: stop those workers")  # fmt: skip
+    if others:
+        print(f"sessions of other maps are connected, let in before: {describe(others)}; "
+              "stop those workers")  # fmt: skip
         return 1
-    print(f"begun: old-map workers (map {old}) and transition workers (map {identity.name}) "
-          f"lock; new-map workers (map {new}) are refused until `shards finish`")  # fmt: skip
+    print(f"initialised: workers of another map than {rollout.identity.name} are refused")
+    return 0
+
+
+def cmd_shards_begin(args: argparse.Namespace) -> int:
+    rollout = _rollout(args)
+    others = rollout.begin()
+    _print_accepted(rollout)
+    if others:
+        print(f"begun, but sessions of other maps are connected, let in before: "
+              f"{describe(others)}; stop those workers")  # fmt: skip
+        return 1
+    identity = rollout.identity
+    print(f"begun: old-map workers (map {identity.previous}) and transition workers (map "
+          f"{identity.name}) lock; new-map workers (map {identity.steady}) are refused "
+          "until `shards finish`")  # fmt: skip
     return 0
 
 
 def cmd_shards_finish(args: argparse.Namespace) -> int:
-    rollout, identity = _rollout(args, moving=True)
-    old, new = identity.previous, identity.steady
-    final = [identity.name, new]
-    if all(maps is not None and set(final) <= set(maps) for maps in rollout.accepted().values()):
-        print(f"finished already: map {new} is accepted on every shard")
-        return 0
-    rollout.accept([identity.name])
-    print(f"old-map workers (map {old}) are refused from now: waiting up to {args.wait:g} s "
-          "for every session of another map to end")  # fmt: skip
-    left = rollout.drain([identity.name], args.wait, print)
+    rollout = _rollout(args)
+    identity = rollout.identity
+    print(f"refusing the old map ({identity.previous}): waiting up to {args.wait:g} s for "
+          "every session of another map than the transition to end")  # fmt: skip
+    already, left = rollout.finish(args.wait, print)
     if left:
         print(f"not finished: {describe(left)}; meanwhile old-map and new-map workers are "
               "refused, transition workers lock: stop those workers, run finish again")  # fmt: skip
         return 1
-    rollout.accept(final)
     _print_accepted(rollout)
-    print(f"finished: map {new} is accepted; roll the workers over to the new map alone "
-          "(pglock_shards_previous unset)")  # fmt: skip
+    print(f"finished{' already' if already else ''}: map {identity.steady} is accepted; roll "
+          "the workers over to the new map alone (pglock_shards_previous unset)")  # fmt: skip
     return 0
 
 
@@ -444,6 +442,8 @@ def build_parser(prog: str = "pglock-celery") -> argparse.ArgumentParser:
     steps = shards.add_subparsers(dest="shards_command", required=True)
     status = steps.add_parser("status", help="which maps each shard accepts, who is connected")
     status.set_defaults(run=cmd_shards_status)
+    init = steps.add_parser("init", help="accept this map alone: refuse workers of any other")
+    init.set_defaults(run=cmd_shards_init)
     begin = steps.add_parser(
         "begin", help="accept the old map and the transition, refuse the new map"
     )

@@ -37,10 +37,10 @@ import psycopg
 
 from . import sql
 from .dsn import describe_target
-from .exceptions import LockUnavailable
+from .exceptions import LockUnavailable, PglockError
 from .shards import DEFAULT, Rule, Shard
 
-__all__ = ["MapIdentity", "Rollout", "enter", "map_identity"]
+__all__ = ["MapIdentity", "Rollout", "RolloutRefused", "enter", "map_identity"]
 
 #: How often ``finish`` looks again for sessions of a map no longer accepted.
 DRAIN_POLL = 0.5
@@ -103,6 +103,10 @@ def enter(conn: psycopg.Connection[Any], identity: MapIdentity, where: str) -> N
         )
 
 
+class RolloutRefused(PglockError):
+    """A step of a change of the shards does not fit the shards' record: nothing written."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Connected:
     """A lock session connected to a shard's database, as ``finish`` and ``status`` see it."""
@@ -120,15 +124,105 @@ class Rollout:
     """The operator's side of a change of the shards, over every database of both maps.
 
     ``shards``: every shard database concerned, name and DSN (the union of the old and
-    the new map); ``prefix``: the lock sessions' application_name prefix (sessions
-    connected before the record existed are known by it); ``connect``: how to open an
-    inspection session on a DSN.
+    the new map); ``identity``: the map of the configuration the operator runs it
+    with; ``prefix``: the lock sessions' application_name prefix (sessions connected
+    before the record existed are known by it); ``connect``: how to open an
+    inspection session on a DSN. Each step refuses (RolloutRefused) a record that is
+    not of this change, and never accepts a map while a session of one it excludes may
+    still be connected.
     """
 
-    def __init__(self, shards: Sequence[tuple[str, str]], prefix: str, connect: Connect) -> None:
+    def __init__(
+        self,
+        shards: Sequence[tuple[str, str]],
+        identity: MapIdentity,
+        prefix: str,
+        connect: Connect,
+    ) -> None:
         self.shards = shards
+        self.identity = identity
         self.pattern = f"^{re.escape(prefix)}(-[^|]*)?[|]"
         self.connect = connect
+
+    def init(self) -> dict[str, list[Connected]]:
+        """Accept this (steady) map alone on every shard, where no other is accepted:
+        from now on a worker of another map is refused. The sessions of other maps
+        connected meanwhile (let in before: stop those workers)."""
+        assert not self.identity.transition
+        steady = self.identity.name
+        self._refuse_unless({steady}, "initialise it for")
+        self.accept([steady])
+        return self._recorded_apart_from({steady})
+
+    def begin(self) -> dict[str, list[Connected]]:
+        """Accept the old map and the transition on every shard; the new map is refused.
+        Refused where a shard accepts a map of neither (nor the reverse change): no
+        session of another map may then be connected. The sessions of other maps
+        connected meanwhile."""
+        old, transition = self._transition()
+        allowed = {old, transition, f"{self.identity.steady}>{old}"}
+        self._refuse_unless(allowed, "begin")
+        self.accept([old, transition])
+        return self._recorded_apart_from(allowed)
+
+    def finish(
+        self, timeout: float, report: Callable[[str], None]
+    ) -> tuple[bool, dict[str, list[Connected]]]:
+        """Accept the transition alone, wait (up to ``timeout`` s) until no session of
+        another map is connected on any shard, then accept the new map too.
+
+        Returns whether it was finished already, and what is left (empty when the new
+        map is accepted; else the old one stays refused with the new one, and finish
+        may run again)."""
+        _, transition = self._transition()
+        final = {transition, self.identity.steady}
+        accepted = self.accepted()
+        if any(maps is None for maps in accepted.values()):
+            raise RolloutRefused(
+                "a shard keeps no record of the shard maps: run `pglock-celery shards "
+                "begin` with this configuration first"
+            )
+        self._refuse_unless({*final, *self._old()}, "finish", accepted)
+        if all(set(maps or ()) == final for maps in accepted.values()):
+            return True, {}
+        self.accept([transition])
+        left = self.drain([transition], timeout, report)
+        if not left:
+            self.accept(sorted(final))
+        return False, left
+
+    def _transition(self) -> tuple[str, str]:
+        if self.identity.previous is None:
+            raise RolloutRefused(
+                "this needs the configuration of the change: pglock_shards the new map and "
+                "pglock_shards_previous the old one"
+            )
+        return self.identity.previous, self.identity.name
+
+    def _old(self) -> set[str]:
+        return set() if self.identity.previous is None else {self.identity.previous}
+
+    def _refuse_unless(
+        self,
+        allowed: set[str],
+        step: str,
+        accepted: dict[str, list[str] | None] | None = None,
+    ) -> None:
+        for shard, maps in (accepted or self.accepted()).items():
+            foreign = sorted(set(maps or ()) - allowed)
+            if foreign:
+                raise RolloutRefused(
+                    f"shard {shard} accepts map {', '.join(foreign)}, of another change of "
+                    f"the shards than this configuration's: cannot {step} this one there "
+                    "(pglock-celery shards status)"
+                )
+
+    def _recorded_apart_from(self, maps: set[str]) -> dict[str, list[Connected]]:
+        return {
+            shard: [s for s in sessions if s.map and s.map not in maps]
+            for shard, sessions in self.connected().items()
+            if any(s.map and s.map not in maps for s in sessions)
+        }
 
     def accept(self, maps: Iterable[str]) -> None:
         """On every shard, create the record if need be and accept exactly ``maps``."""
@@ -164,24 +258,20 @@ class Rollout:
                 found[shard] = [Connected(*r) for r in rows]
         return found
 
-    def in_the_way(self, keep: Iterable[str]) -> dict[str, list[Connected]]:
-        """Each shard's live lock sessions whose map is not one of ``keep``."""
-        kept = set(keep)
-        return {
-            shard: [s for s in sessions if s.map not in kept]
-            for shard, sessions in self.connected().items()
-        }
-
     def drain(
         self, keep: Iterable[str], timeout: float, report: Callable[[str], None]
     ) -> dict[str, list[Connected]]:
         """Wait until no shard has a live lock session of a map other than ``keep``, at
         most ``timeout`` seconds; what is left (empty when drained)."""
-        kept = list(keep)
+        kept = set(keep)
         deadline = time.monotonic() + timeout
         said = None
         while True:
-            left = {s: found for s, found in self.in_the_way(kept).items() if found}
+            left = {
+                shard: [s for s in sessions if s.map not in kept]
+                for shard, sessions in self.connected().items()
+                if any(s.map not in kept for s in sessions)
+            }
             if not left or time.monotonic() >= deadline:
                 return left
             summary = describe(left)
