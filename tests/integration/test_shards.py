@@ -20,7 +20,9 @@ from pglock_celery import (
 )
 from pglock_celery.config import PglockConfig
 from pglock_celery.keys import lock_key
+from pglock_celery.rollout import Rollout
 from pglock_celery.shards import parse_shards
+from pglock_celery.sources import registry
 from tests.support.locks import DEDICATED, free_elsewhere
 from tests.support.services import free_port, own_database, scalar
 
@@ -140,6 +142,29 @@ def test_a_task_takes_its_lock_on_the_shard_of_its_name(three: dict[str, str]) -
         assert seen[tenant] == config.for_key(lock_key(f"shard-task:{tenant}")).dsn
 
 
+@pytest.fixture
+def recorded(three: dict[str, str]) -> Iterator[None]:
+    """The record of the maps on every shard, accepting the old map (a, b), the new one
+    (a, b, c) and the change between them, so that holders of all three meet on the
+    locks alone (the fence that keeps old and new apart: test_rollout_states.py)."""
+    two, every = parse_shards({"a": three["a"], "b": three["b"]}), parse_shards(three)
+    maps = [
+        PglockConfig(shards=shards, shards_previous=previous).map_identity
+        for shards, previous in ((two, None), (every, None), (every, two))
+    ]
+    assert maps[2] is not None
+    rollout = Rollout(list(three.items()), maps[2], "pglock", connect)
+    rollout.accept(m.name for m in maps if m is not None)
+    yield
+    registry.close()  # sessions that recorded a map in the tables dropped now
+    for dsn in three.values():
+        scalar(dsn, "DROP TABLE pglock_shard_maps, pglock_shard_sessions")
+
+
+def connect(dsn: str) -> psycopg.Connection:
+    return psycopg.connect(dsn, autocommit=True)
+
+
 def moving_name(before: PglockConfig, after: PglockConfig, prefix: str = "moving:") -> str:
     """A fresh name whose shard's database differs between the two maps."""
     while True:
@@ -151,7 +176,7 @@ def moving_name(before: PglockConfig, after: PglockConfig, prefix: str = "moving
 
 @pytest.mark.parametrize("strategy", ["reuse", "connect", "shared"])
 def test_while_the_shards_change_a_moving_name_excludes_workers_on_either_map(
-    three: dict[str, str], strategy: str
+    three: dict[str, str], recorded: None, strategy: str
 ) -> None:
     """From shards a, b to a, b, c: with pglock_shards_previous, a moving name is locked
     on its previous shard first, then on its new one, so a holder on the previous map
@@ -181,6 +206,7 @@ def test_while_the_shards_change_a_moving_name_excludes_workers_on_either_map(
 
 def test_a_name_that_stays_put_is_locked_once_while_the_shards_change(
     three: dict[str, str],
+    recorded: None,
 ) -> None:
     two = {"a": three["a"], "b": three["b"]}
     old, new = sharded(two), sharded(three)
@@ -194,7 +220,9 @@ def test_a_name_that_stays_put_is_locked_once_while_the_shards_change(
         assert held.acquired and held._previous is None
 
 
-def test_losing_the_previous_shards_lock_is_losing_the_lock(three: dict[str, str]) -> None:
+def test_losing_the_previous_shards_lock_is_losing_the_lock(
+    three: dict[str, str], recorded: None
+) -> None:
     two = {"a": three["a"], "b": three["b"]}
     moving = PglockConfig(
         shards=parse_shards(three), shards_previous=parse_shards(two), check_interval=0.2
