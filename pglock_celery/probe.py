@@ -166,7 +166,9 @@ class Probe:
     def _open(self) -> LockSession:
         if self._session is None or self._session.closed:
             with self._opening(self._config):
-                self._session = open_session(self._config, f"{self._prefix}{os.getpid()}")
+                self._session = open_session(
+                    self._config, f"{self._prefix}{os.getpid()}", takes_locks=False
+                )
         return self._session
 
     def _drop(self) -> None:

@@ -86,10 +86,15 @@ def map_identity(
     return MapIdentity(steady, None if previous is None else _digest(previous, None, rule))
 
 
-def enter(conn: psycopg.Connection[Any], identity: MapIdentity, where: str) -> None:
-    """Record that this lock session came with ``identity`` and check that its map is
-    accepted here; LockUnavailable (saying why) if not. Only where the record exists."""
+def enter(
+    conn: psycopg.Connection[Any], identity: MapIdentity, where: str, *, refusable: bool = True
+) -> None:
+    """Record that this lock session came with ``identity`` and, if ``refusable``, check
+    that its map is accepted here; LockUnavailable (saying why) if not. Only where the
+    record exists."""
     conn.execute(sql.ENTER_MAP, (identity.name,))
+    if not refusable:
+        return
     # A statement of its own: its snapshot is taken after the record above committed,
     # so a finish that stopped accepting this map either is seen here or sees this.
     row = conn.execute(sql.MAP_ACCEPTED, (identity.name,)).fetchone()

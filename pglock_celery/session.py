@@ -261,12 +261,15 @@ def open_session(
     config: PglockConfig,
     app_name: str,
     identify: Callable[[psycopg.Connection[Any]], ServerIdentity] | None = None,
+    *,
+    takes_locks: bool = True,
 ) -> LockSession:
     """Open a dedicated lock session and prove it, or raise LockUnavailable saying why.
 
     With ``identify`` (a leader source's), the session learns which server it is on
     (``session.identity``) before it is used. Call it inside the registry's
-    ``opening()`` (sources/): a fork meanwhile waits.
+    ``opening()`` (sources/): a fork meanwhile waits. A session that never
+    ``takes_locks`` (a probe's) records its map but is not refused for it.
     """
     token = secrets.token_hex(8)
     kwargs = connect_kwargs(config, app_name, token)
@@ -284,7 +287,7 @@ def open_session(
     conn.statement_deadline = max(STATEMENT_DEADLINE, config.tcp_user_timeout)
     try:
         backend_pid, pooled, started, recorded = _verify_session(conn, config, token)
-        _enter_map(conn, config, recorded, where)
+        _enter_map(conn, config, recorded, where, refusable=takes_locks)
         identity = identify(conn) if identify is not None else None
     except psycopg.Error as exc:
         conn.close()
@@ -304,7 +307,12 @@ def open_session(
 
 
 def _enter_map(
-    conn: psycopg.Connection[Any], config: PglockConfig, recorded: bool, where: str
+    conn: psycopg.Connection[Any],
+    config: PglockConfig,
+    recorded: bool,
+    where: str,
+    *,
+    refusable: bool,
 ) -> None:
     """Where the database keeps the record of the shard maps, record this session's
     and refuse it if its map is not accepted (rollout.py); a transition's session
@@ -313,8 +321,8 @@ def _enter_map(
     if identity is None:
         return
     if recorded:
-        enter(conn, identity, where)
-    elif identity.transition:
+        enter(conn, identity, where, refusable=refusable)
+    elif identity.transition and refusable:
         raise LockUnavailable(
             f"this worker runs a change of pglock_shards (pglock_shards_previous is set), "
             f"and {where} keeps no record of the shard maps: run `pglock-celery shards "

@@ -26,7 +26,7 @@ from pglock_celery.shards import parse_shards
 from pglock_celery.sources import registry
 from tests.apps import core
 from tests.support.history import Run, create_history, overlaps, read_history
-from tests.support.services import own_database
+from tests.support.services import own_database, scalar
 from tests.support.shard_workers import start_shard_workers, stop_all
 
 RESULT_TIMEOUT = 90
@@ -203,5 +203,33 @@ def test_a_new_map_holder_is_refused_until_the_rollout_finishes(
             assert not AdvisoryLock(name, config=transition).acquire()
         with pytest.raises(LockUnavailable, match="not accepted"):
             AdvisoryLock(name, config=old).acquire()
+    finally:
+        registry.close()
+
+
+def test_an_old_map_holder_busy_while_finish_drains_is_probed_not_lost(
+    three: dict[str, str], two: dict[str, str], run_id: str
+) -> None:
+    """A busy session is judged by a probe session of its own, which takes no lock: the
+    old map refused, the probe still opens (recorded with its map, for finish to wait
+    on), and a holder busy in a statement keeps its lock."""
+    moving, _ = tenants_of(run_id, two, three)
+    name = f"tenant:{moving[0]}"
+    old = PglockConfig(shards=parse_shards(two), application_name="pglock-old", check_interval=0.2)
+    try:
+        assert shards_step(three, two, "begin").startswith("exit 0")
+        with AdvisoryLock(name, config=old) as held:
+            assert held.acquired
+            # finish's first step: the transition alone is accepted; it waits for this.
+            assert shards_step(three, two, "finish", "--wait", "0").startswith("exit 1")
+            held.connection.execute("SELECT pg_sleep(1.5)")
+            assert held.loss is None and held.held()
+            dsn = held.config.require_dsn()
+            probes = scalar(
+                dsn,
+                "SELECT count(*) FROM pglock_shard_sessions s JOIN pg_stat_activity a"
+                " USING (pid) WHERE a.application_name LIKE 'pglock-old-probe%%'",
+            )
+            assert probes == 1, "the busy session was not probed: the test proved nothing"
     finally:
         registry.close()
