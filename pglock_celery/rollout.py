@@ -257,6 +257,13 @@ class Rollout:
         found: dict[str, list[Connected]] = {}
         for shard, dsn in self.shards:
             with self.connect(dsn) as conn:
+                sees = conn.execute(sql.SEES_EVERY_SESSION).fetchone()
+                if not (sees and sees[0]):
+                    raise RolloutRefused(
+                        f"on shard {shard} this role does not see other roles' sessions "
+                        "whole, so it cannot tell which map each lock session came with: "
+                        "run the step as a superuser or a member of pg_read_all_stats"
+                    )
                 row = conn.execute(sql.SHARD_RECORD_EXISTS).fetchone()
                 query = sql.CONNECTED_SESSIONS if row and row[0] else sql.UNRECORDED_SESSIONS
                 rows = conn.execute(query, (self.pattern,)).fetchall()

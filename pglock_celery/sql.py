@@ -317,6 +317,11 @@ CONNECTED_SESSIONS = (
     b" AND a.datname = pg_catalog.current_database()"
     b" AND (s.map IS NOT NULL OR a.application_name ~ %s) ORDER BY 1, 2"
 )
+#: Whether this role sees other roles' sessions whole (their backend_start among them).
+SEES_EVERY_SESSION = (
+    b"SELECT r.rolsuper OR pg_catalog.pg_has_role(r.oid, 'pg_read_all_stats', 'MEMBER')"
+    b" FROM pg_catalog.pg_roles AS r WHERE r.rolname = current_user"
+)
 #: The same where no record exists: every lock session, none with a map.
 UNRECORDED_SESSIONS = (
     b"SELECT '', a.pid, a.application_name, pg_catalog.host(a.client_addr)"
