@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 from . import __version__, sql
-from .doctor import Finding, read_settings, run_checks
+from .doctor import Budget, Finding, read_settings, run_checks
 from .dsn import describe_target, dsn_problem, redact
 from .exceptions import PglockError
 from .guard import (
@@ -220,6 +220,7 @@ def cmd_key(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     # An invalid setting is a finding like any other (exit 1), not bad input: the
     # valid settings still count, and the checks run all the same.
+    budget = _budget(args)
     app = _app(args)
     config, invalid = read_settings(app)
     if config.shards is not None and not args.dsn:
@@ -237,7 +238,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             print(_headed(shard, dsn))
         found = run_checks(
             dsn, lock_sessions=args.lock_sessions, locks=args.locks, pooler=config.pooler,
-            app=app, shard=shard,
+            app=app, shard=shard, budget=budget,
         )  # fmt: skip
         if not args.json:
             for finding in found:
@@ -249,6 +250,27 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"{len(failed)} problem(s) found" if failed else "no problem found")
     return 1 if failed else 0
+
+
+def _budget(args: argparse.Namespace) -> Budget | None:
+    if args.processes is None and args.concurrency is None:
+        return None
+    if args.processes is None or args.concurrency is None:
+        raise UsageError("--processes and --concurrency go together")
+    if args.lock_sessions:
+        raise UsageError("--lock-sessions or --processes and --concurrency: give one or the other")
+    return Budget(args.processes, args.concurrency)
+
+
+def _count(text: str) -> int:
+    """A whole number of at least 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
 
 
 def cmd_guard_install(args: argparse.Namespace) -> int:
@@ -433,6 +455,14 @@ def build_parser(prog: str = "pglock-celery") -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="advisory locks the fleet may hold at once (its running locked calls at peak)",
+    )
+    doctor.add_argument(
+        "--processes",
+        type=_count,
+        help="worker processes that may lock (with --concurrency: each shard's session budget)",
+    )
+    doctor.add_argument(
+        "--concurrency", type=_count, help="locked calls each of those processes runs at once"
     )
     doctor.set_defaults(run=cmd_doctor)
 

@@ -260,7 +260,8 @@ def check_keepalives(conn: psycopg.Connection) -> Iterator[Finding]:
         yield Finding("keepalives", "ok", f"server keepalives notice a cut-off client in {bound} s")
 
 
-def check_connections(conn: psycopg.Connection, lock_sessions: int) -> Iterator[Finding]:
+def _connection_slots(conn: psycopg.Connection) -> tuple[int, int, int]:
+    """max_connections, the slots reserved for superusers, and the client sessions now."""
     row = conn.execute(
         "SELECT current_setting('max_connections')::int,"
         " current_setting('superuser_reserved_connections')::int,"
@@ -268,6 +269,11 @@ def check_connections(conn: psycopg.Connection, lock_sessions: int) -> Iterator[
     ).fetchone()
     assert row is not None
     limit, reserved, used = (int(value) for value in row)
+    return limit, reserved, used
+
+
+def check_connections(conn: psycopg.Connection, lock_sessions: int) -> Iterator[Finding]:
+    limit, reserved, used = _connection_slots(conn)
     headroom = limit - reserved - used
     figures = f"max_connections {limit}, {reserved} reserved, {used} in use: {headroom} free"
     if lock_sessions and lock_sessions > headroom:
@@ -281,6 +287,65 @@ def check_connections(conn: psycopg.Connection, lock_sessions: int) -> Iterator[
         yield Finding("connections", "warn", figures, "raise max_connections")
     else:
         yield Finding("connections", "ok", figures)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The fleet a doctor run is asked about: the worker processes that may lock, and the
+    locked calls each runs at once (its concurrency)."""
+
+    processes: int
+    concurrency: int
+
+    def sessions(self, config: PglockConfig) -> tuple[int, str]:
+        """The most sessions the fleet may open on one shard, and how they are counted.
+
+        Every process may lock names of every shard, and all of its calls at once may
+        lock names of one shard: each shard's budget is the whole fleet's. Under
+        ``reuse`` a process keeps up to ``pglock_idle_sessions`` idle besides one per
+        lock held, under ``connect`` one per lock held, under ``shared`` its
+        ``pglock_shared_sessions``; and each process opens one probe session per server
+        while it judges a busy session.
+        """
+        if config.strategy == "shared":
+            each, parts = config.shared_sessions, f"{config.shared_sessions} shared"
+        elif config.strategy == "connect":
+            each, parts = self.concurrency, f"{self.concurrency} held"
+        else:
+            each = config.idle_sessions + self.concurrency
+            parts = f"{config.idle_sessions} idle + {self.concurrency} held"
+        total = self.processes * (each + 1)
+        return total, f"{self.processes} processes x ({parts} + 1 probe) = {total} sessions"
+
+
+def check_budget(
+    conn: psycopg.Connection, budget: Budget, config: PglockConfig
+) -> Iterator[Finding]:
+    """The fleet's sessions (``budget``) against this server's connection slots."""
+    limit, reserved, used = _connection_slots(conn)
+    total, formula = budget.sessions(config)
+    slots = limit - reserved
+    figures = (
+        f"{formula} ({config.strategy}); {slots} slots (max_connections {limit} - "
+        f"{reserved} reserved), {used} in use now"
+    )
+    if total > slots:
+        yield Finding(
+            "budget",
+            "fail",
+            f"{figures}: the fleet needs more than the server has",
+            f"raise max_connections to at least {total + reserved}, spread the tenants over "
+            "more shards, lower the concurrency, or use the shared strategy",
+        )
+    elif total > slots - used:
+        yield Finding(
+            "budget",
+            "warn",
+            f"{figures}: fits, unless the sessions in use now are others than the fleet's",
+            f"raise max_connections to at least {total + used + reserved}",
+        )
+    else:
+        yield Finding("budget", "ok", figures)
 
 
 # Entries of the shared lock table in use (fast-path locks live in each backend, not
@@ -856,6 +921,7 @@ def run_checks(
     pooler: str = "none",
     app: Celery | None = None,
     shard: str | None = None,
+    budget: Budget | None = None,
 ) -> list[Finding]:
     """Run every check against ``dsn`` and return the findings in order.
 
@@ -867,7 +933,8 @@ def run_checks(
     are checked (default: the current app; the PGLOCK_* variables in either case). With
     ``pglock_patroni_url`` set, the leader fence is checked too (fence_checks). With
     ``shard``, ``dsn`` is that shard's of ``pglock_shards``, and so is the fence, and
-    each finding names the shard.
+    each finding names the shard. ``budget``: the fleet's processes and concurrency,
+    whose sessions are checked against the server's connection slots (check_budget).
     """
     prefix = PglockConfig().application_name
     config, invalid = read_settings(app)
@@ -890,6 +957,7 @@ def run_checks(
             lambda: check_idle_timeouts(conn),
             lambda: check_keepalives(conn),
             lambda: check_connections(conn, lock_sessions),
+            lambda: iter(()) if budget is None else check_budget(conn, budget, config),
             lambda: check_capacity(conn, locks, prefix),
             lambda: check_privileges(conn),
             lambda: check_search_path(conn),
