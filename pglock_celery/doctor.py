@@ -24,6 +24,7 @@ import psycopg
 from celery import Celery, current_app
 from psycopg.conninfo import conninfo_to_dict
 
+from . import sql
 from .config import PglockConfig, get_config, load_config
 from .exceptions import ConfigurationError, LockUnavailable
 from .guard import ROW_TRIGGER, guarded_tables, unguarded_children
@@ -346,6 +347,36 @@ def check_budget(
         )
     else:
         yield Finding("budget", "ok", figures)
+
+
+def check_shard_maps(conn: psycopg.Connection, config: PglockConfig) -> Iterator[Finding]:
+    """Whether this database's record of the shard maps (rollout.py) lets this
+    configuration's workers lock."""
+    identity = config.map_identity
+    row = conn.execute(sql.SHARD_RECORD_EXISTS).fetchone()
+    if identity is None or row is None or not row[0]:
+        yield Finding(
+            "shard maps",
+            "ok",
+            "no record of the shard maps: a worker of any map may lock here "
+            "(`pglock-celery shards init` fences a change of the shards)",
+        )
+        return
+    accepted = [r[0] for r in conn.execute(sql.ACCEPTED_MAPS).fetchall()]
+    shown = ", ".join(accepted) or "none"
+    if identity.name in accepted:
+        yield Finding(
+            "shard maps", "ok", f"this configuration's map {identity.name} is accepted (of {shown})"
+        )
+    else:
+        yield Finding(
+            "shard maps",
+            "fail",
+            f"this configuration's map {identity.name} is not accepted here (only {shown}): "
+            "its workers' locks fail closed",
+            "finish the change of the shards under way, or run the workers with a map "
+            "accepted (pglock-celery shards status)",
+        )
 
 
 # Entries of the shared lock table in use (fast-path locks live in each backend, not
@@ -964,6 +995,7 @@ def run_checks(
             lambda: check_guards(conn),
             lambda: check_guarded_children(conn),
             lambda: check_settings(invalid),
+            lambda: check_shard_maps(conn, config),
         ]
         if config.patroni_url:
             checks.append(lambda: fence_checks(dsn, urls, config.check_interval))

@@ -256,3 +256,25 @@ def test_a_step_run_by_a_role_that_cannot_see_every_session_is_refused(
         assert out.startswith("exit 2") and "pg_read_all_stats" in out, out
     finally:
         scalar(three["a"], f"DROP ROLE {role}")
+
+
+def test_the_doctor_says_whether_the_shards_accept_its_map(
+    three: dict[str, str], two: dict[str, str]
+) -> None:
+    def shard_maps(shards: dict[str, str], previous: dict[str, str] | None) -> list[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PGLOCK_")}
+        env["PGLOCK_SHARDS"] = json.dumps(shards)
+        env["PGLOCK_SHARDS_PREVIOUS"] = json.dumps(previous) if previous else ""
+        done = subprocess.run(
+            [sys.executable, "-m", "pglock_celery.cli", "-A", "tests.apps.bare:app",
+             "doctor", "--json"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        found = [f for f in json.loads(done.stdout) if f["check"] == "shard maps"]
+        return [f["level"] for f in sorted(found, key=lambda f: f["shard"])]
+
+    assert shard_maps(three, None) == ["ok", "ok", "ok"]  # no record: every map
+    assert shards_step(three, two, "begin").startswith("exit 0")
+    assert shard_maps(three, two) == ["ok", "ok", "ok"]
+    assert shard_maps(three, None) == ["fail", "fail", "fail"]
+    assert shard_maps(two, None) == ["ok", "ok"]
