@@ -220,8 +220,8 @@ def cmd_key(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     # An invalid setting is a finding like any other (exit 1), not bad input: the
     # valid settings still count, and the checks run all the same.
-    budget = _budget(args)
     app = _app(args)
+    budget = _budget(args, app)
     config, invalid = read_settings(app)
     if config.shards is not None and not args.dsn:
         targets = _targets(args)
@@ -237,8 +237,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if shard is not None and not args.json:
             print(_headed(shard, dsn))
         found = run_checks(
-            dsn, lock_sessions=args.lock_sessions, locks=args.locks, pooler=config.pooler,
-            app=app, shard=shard, budget=budget,
+            dsn, lock_sessions=args.lock_sessions or 0, locks=args.locks,
+            pooler=config.pooler, app=app, shard=shard, budget=budget,
         )  # fmt: skip
         if not args.json:
             for finding in found:
@@ -252,14 +252,30 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _budget(args: argparse.Namespace) -> Budget | None:
-    if args.processes is None and args.concurrency is None:
+def _budget(args: argparse.Namespace, app: Any) -> Budget | None:
+    """The fleet of --processes and --concurrency (default: the app's worker_concurrency)."""
+    if args.processes is None:
+        if args.concurrency is not None:
+            raise UsageError("--concurrency needs --processes (the worker processes that lock)")
         return None
-    if args.processes is None or args.concurrency is None:
-        raise UsageError("--processes and --concurrency go together")
-    if args.lock_sessions:
-        raise UsageError("--lock-sessions or --processes and --concurrency: give one or the other")
-    return Budget(args.processes, args.concurrency)
+    if args.lock_sessions is not None:
+        raise UsageError(
+            "--lock-sessions or --processes: give one or the other (--processes counts "
+            "the lock sessions of each strategy itself)"
+        )
+    if args.concurrency is not None:
+        return Budget(args.processes, args.concurrency)
+    configured = None if app is None else app.conf.worker_concurrency
+    if not configured:  # Celery's own default (None, or 0): the worker host's CPUs
+        where = "no Celery app given (-A)" if app is None else "the app sets no worker_concurrency"
+        raise UsageError(
+            f"--processes needs --concurrency (the locked calls each process runs at once): {where}"
+        )
+    try:
+        concurrency = _count(str(configured))
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError(f"the app's worker_concurrency: {exc}; give --concurrency") from None
+    return Budget(args.processes, concurrency, "worker_concurrency")
 
 
 def _count(text: str) -> int:
@@ -447,8 +463,7 @@ def build_parser(prog: str = "pglock-celery") -> argparse.ArgumentParser:
     doctor.add_argument(
         "--lock-sessions",
         type=int,
-        default=0,
-        help="lock sessions the fleet may open at once (worker processes x concurrency)",
+        help="lock sessions the fleet may open at once, counted by hand (or --processes)",
     )
     doctor.add_argument(
         "--locks",
@@ -459,10 +474,13 @@ def build_parser(prog: str = "pglock-celery") -> argparse.ArgumentParser:
     doctor.add_argument(
         "--processes",
         type=_count,
-        help="worker processes that may lock (with --concurrency: each shard's session budget)",
+        help="worker processes that may lock: each shard's session budget for the strategy",
     )
     doctor.add_argument(
-        "--concurrency", type=_count, help="locked calls each of those processes runs at once"
+        "--concurrency",
+        type=_count,
+        help="locked calls each of those processes runs at once (default: the app's "
+        "worker_concurrency)",
     )
     doctor.set_defaults(run=cmd_doctor)
 

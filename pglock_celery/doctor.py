@@ -293,10 +293,15 @@ def check_connections(conn: psycopg.Connection, lock_sessions: int) -> Iterator[
 @dataclass(frozen=True)
 class Budget:
     """The fleet a doctor run is asked about: the worker processes that may lock, and the
-    locked calls each runs at once (its concurrency)."""
+    locked calls each runs at once (its concurrency).
+
+    ``concurrency_from``: where the concurrency came from when the user did not give
+    it (the app's ``worker_concurrency``), shown with the figures; "" when given.
+    """
 
     processes: int
     concurrency: int
+    concurrency_from: str = ""
 
     def sessions(self, config: PglockConfig) -> tuple[int, str]:
         """The most sessions the fleet may open on one shard, and how they are counted.
@@ -305,8 +310,9 @@ class Budget:
         lock names of one shard: each shard's budget is the whole fleet's. Under
         ``reuse`` a process keeps up to ``pglock_idle_sessions`` idle besides one per
         lock held, under ``connect`` one per lock held, under ``shared`` its
-        ``pglock_shared_sessions``; and each process opens one probe session per server
-        while it judges a busy session.
+        ``pglock_shared_sessions``. Besides, each process's source of a shard opens
+        one probe session per server (probe.py), on first need: when it judges a busy
+        lock session from outside.
         """
         if config.strategy == "shared":
             each, parts = config.shared_sessions, f"{config.shared_sessions} shared"
@@ -316,37 +322,47 @@ class Budget:
             each = config.idle_sessions + self.concurrency
             parts = f"{config.idle_sessions} idle + {self.concurrency} held"
         total = self.processes * (each + 1)
-        return total, f"{self.processes} processes x ({parts} + 1 probe) = {total} sessions"
+        processes = f"{self.processes} process{'es' if self.processes != 1 else ''}"
+        return total, f"{processes} x ({parts}) + {self.processes} probe = {total} sessions"
 
 
 def check_budget(
     conn: psycopg.Connection, budget: Budget, config: PglockConfig
 ) -> Iterator[Finding]:
-    """The fleet's sessions (``budget``) against this server's connection slots."""
+    """The most sessions the fleet (``budget``) may open here against the free connections.
+
+    Free is what check_connections counts: max_connections less the superuser slots and
+    the client sessions now. A fleet running now has its own sessions among those in use;
+    the fix says so. More shards do not help: each shard's budget is the whole fleet's.
+    """
     limit, reserved, used = _connection_slots(conn)
     total, formula = budget.sessions(config)
-    slots = limit - reserved
+    free = limit - reserved - used
+    given = f", concurrency from {budget.concurrency_from}" if budget.concurrency_from else ""
     figures = (
-        f"{formula} ({config.strategy}); {slots} slots (max_connections {limit} - "
-        f"{reserved} reserved), {used} in use now"
+        f"{formula} ({config.strategy}{given}); {free} free (max_connections {limit} - "
+        f"{reserved} reserved - {used} in use)"
     )
-    if total > slots:
-        yield Finding(
-            "budget",
-            "fail",
-            f"{figures}: the fleet needs more than the server has",
-            f"raise max_connections to at least {total + reserved}, spread the tenants over "
-            "more shards, lower the concurrency, or use the shared strategy",
-        )
-    elif total > slots - used:
-        yield Finding(
-            "budget",
-            "warn",
-            f"{figures}: fits, unless the sessions in use now are others than the fleet's",
-            f"raise max_connections to at least {total + used + reserved}",
-        )
+    if total <= free:
+        yield Finding("budget", "ok", f"{figures}: fits")
+        return
+    if config.strategy == "shared":
+        fewer = f"lower pglock_shared_sessions (now {config.shared_sessions})"
+    elif config.strategy == "connect":
+        fewer = "lower the concurrency, or use pglock_strategy = 'shared'"
     else:
-        yield Finding("budget", "ok", figures)
+        fewer = (
+            f"lower pglock_idle_sessions (now {config.idle_sessions}) or the concurrency, "
+            "or use pglock_strategy = 'shared'"
+        )
+    yield Finding(
+        "budget",
+        "fail",
+        f"{figures}: {total - free} more than free",
+        f"raise max_connections to at least {total + reserved + used}, run fewer worker "
+        f"processes, or {fewer}; if the fleet runs now, its own sessions are among the "
+        f"{used} in use: count only the processes to add",
+    )
 
 
 def check_shard_maps(conn: psycopg.Connection, config: PglockConfig) -> Iterator[Finding]:
@@ -965,7 +981,7 @@ def run_checks(
     ``pglock_patroni_url`` set, the leader fence is checked too (fence_checks). With
     ``shard``, ``dsn`` is that shard's of ``pglock_shards``, and so is the fence, and
     each finding names the shard. ``budget``: the fleet's processes and concurrency,
-    whose sessions are checked against the server's connection slots (check_budget).
+    whose sessions are checked against the server's free connections (check_budget).
     """
     prefix = PglockConfig().application_name
     config, invalid = read_settings(app)
