@@ -26,9 +26,9 @@ from pglock_celery.lock import AdvisoryLock
 from pglock_celery.shards import parse_shards
 from pglock_celery.sources import registry
 from tests.apps import core
-from tests.support.history import Run, create_history, overlaps, read_history
+from tests.support.history import Run, overlaps, read_history
 from tests.support.services import own_database, scalar
-from tests.support.shard_workers import start_shard_workers, stop_all
+from tests.support.shard_workers import history_everywhere, start_shard_workers, stop_all
 
 RESULT_TIMEOUT = 90
 #: The queue the rollout's workers alone listen on.
@@ -50,10 +50,7 @@ def two(three: dict[str, str]) -> dict[str, str]:
 @pytest.fixture
 def table(three: dict[str, str]) -> str:
     """One history table, of one name, in every shard's database (dropped with them)."""
-    name = create_history(three["a"])
-    for dsn in (three["b"], three["c"]):
-        create_history(dsn, name)
-    return name
+    return history_everywhere(three)
 
 
 def home(shards: dict[str, str], tenant: str) -> str:

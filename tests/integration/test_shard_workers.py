@@ -18,9 +18,9 @@ from pglock_celery.config import PglockConfig
 from pglock_celery.keys import lock_key
 from pglock_celery.shards import parse_shards
 from tests.apps import core
-from tests.support.history import Run, create_history, overlaps, read_history
+from tests.support.history import Run, overlaps, read_history
 from tests.support.services import free_port, own_database
-from tests.support.shard_workers import start_shard_workers
+from tests.support.shard_workers import history_everywhere, start_shard_workers
 from tests.support.workers import Worker
 
 RESULT_TIMEOUT = 60
@@ -37,10 +37,7 @@ def three(pg_dsn: str) -> Iterator[dict[str, str]]:
 @pytest.fixture
 def table(three: dict[str, str]) -> str:
     """One history table, of one name, in every shard's database (dropped with them)."""
-    name = create_history(three["a"])
-    for dsn in (three["b"], three["c"]):
-        create_history(dsn, name)
-    return name
+    return history_everywhere(three)
 
 
 def shard_workers(

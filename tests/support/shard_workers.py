@@ -7,6 +7,7 @@ from pathlib import Path
 
 from celery import Celery
 
+from .history import create_history
 from .workers import Worker
 
 
@@ -43,3 +44,12 @@ def start_shard_workers(
 def stop_all(workers: list[Worker]) -> None:
     for worker in workers:
         worker.stop()
+
+
+def history_everywhere(shards: dict[str, str]) -> str:
+    """One history table, of one name, in every shard's database; its name."""
+    first, *others = shards.values()
+    name = create_history(first)
+    for dsn in others:
+        create_history(dsn, name)
+    return name
