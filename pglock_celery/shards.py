@@ -20,6 +20,7 @@ to leave the name to the hash. ``pglock_dsn`` alone is one shard, named
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -138,10 +139,24 @@ def parse_rule(raw: Any) -> Rule | None:
 
 
 def rendezvous(key: int, names: Sequence[str]) -> str:
-    """The shard name that ranks first for ``key`` (highest random weight)."""
-    return max(names, key=lambda name: (_score(name, key), name))
+    """The shard name that ranks first for ``key`` (highest random weight).
+
+    Each shard's score is the 8-byte BLAKE2b digest of ``"<name>\0<key>"`` (the key in
+    decimal), compared as a big-endian number, ties going to the greater name: the rule
+    that places every name, so it never changes. The hash of each ``"<name>\0"`` is
+    kept and copied, the key's text made once.
+    """
+    text = str(key).encode()
+    best, chosen = b"", ""
+    for name in names:
+        hashed = _prefix(name).copy()
+        hashed.update(text)
+        digest = hashed.digest()
+        if (digest, name) > (best, chosen):
+            best, chosen = digest, name
+    return chosen
 
 
-def _score(name: str, key: int) -> int:
-    digest = hashlib.blake2b(f"{name}\0{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+@functools.lru_cache(maxsize=1024)
+def _prefix(name: str) -> Any:
+    return hashlib.blake2b(f"{name}\0".encode(), digest_size=8)
