@@ -31,6 +31,7 @@ QUESTIONS = (
     ("peak", "5"),
     ("guard", "6"),
     ("scale", "7"),
+    ("shards", "8"),
 )
 BEFORE = "before"
 #: The parts of section 7, each measured by ``bench.scale --scale <part>``.
@@ -316,6 +317,7 @@ def targets(data: dict[str, Data | None]) -> list[Target]:
         *session_targets(data["scale"]),
         recovery_target(data["recovery"]),
         *guard_targets(data["guard"]),
+        *shard_targets(data["shards"]),
     ]
 
 
@@ -831,6 +833,360 @@ def _render_spin(t: Data) -> list[str]:
     ]
 
 
+# --- section 8: shards ----------------------------------------------------------------------
+
+#: The bound on routing a name to its shard, as a share of one lock cycle.
+ROUTING_BOUND = 0.02
+#: Shard counts of the capacity model's table.
+MODEL_SHARDS = (1, 2, 4, 8)
+#: The loss monitor's checker threads per process (monitor.Monitor.MAX_CHECKERS).
+CHECKERS = 4
+
+
+def shard_targets(shards: Data | None) -> list[Target]:
+    """Routing a name to its shard, per lock call: under 2% of a lock cycle."""
+    routing = shards.get("routing") if shards else None
+    found = []
+    for key, what, why in (
+        (
+            "cached",
+            "a name placed before (the lock path's cache)",
+            "see section 8a",
+        ),
+        (
+            "first_placement",
+            "a name's first placement (rendezvous hash)",
+            "a name's first lock in a process hashes it with each shard's name (a BLAKE2b"
+            " digest per shard); its placement is cached after, so a name seen before costs"
+            " the cached figure (section 8a)",
+        ),
+    ):
+        target = (
+            f"Routing a lock to its shard (3 shards), {what}: < {ROUTING_BOUND:.0%} of a"
+            " `try_lock` cycle on one shard"
+        )
+        if not routing:
+            found.append(Target(target, "section 8", "-", None))
+            continue
+        share = routing[key] / routing["cycle_p50"]
+        found.append(
+            Target(
+                target,
+                "section 8",
+                f"{routing[key] * 1e6:.2f} us vs {routing['cycle_p50'] * 1000:.3f} ms: {share:.2%}",
+                share < ROUTING_BOUND,
+                why,
+            )
+        )
+    return found
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.2f} us"
+
+
+def render_shards(d: Data) -> list[str]:
+    lines = ["## 8. Shards", ""]
+    table = d.get("lock_table")
+    if table:
+        lines += [
+            f"Three Postgres servers of the section's own, one per shard"
+            f" ({', '.join(f'`{name}`' for name in d['shards'])}), each its own data"
+            f" directory, port and processes, started like the benchmark's own server with"
+            f" `max_connections` {table['max_connections']} and `max_locks_per_transaction`"
+            f" {table['locks_per_transaction']} (see 8b); stopped at the end, their"
+            " postmasters checked gone by pid. All three share this machine's"
+            f" {d['cores']} cores with the clients.",
+            "",
+        ]
+    for part, render in (
+        ("routing", _render_routing),
+        ("held", _render_held),
+        ("throughput", _render_shard_spin),
+    ):
+        lines += render(d) if d.get(part) else _not_measured(part)
+    return [*lines, *_render_capacity(d)]
+
+
+_PARTS = {
+    "routing": "8a. Routing a name to its shard",
+    "held": "8b. Locks held at once over three shards",
+    "throughput": "8c. Lock cycles per second with 1, 2 and 3 shards",
+    "capacity": "8d. Capacity model",
+}
+
+
+def _not_measured(part: str, why: str = "no figures in bench/results/shards.json") -> list[str]:
+    return [f"### {_PARTS[part]}", "", f"Not measured: {why}.", ""]
+
+
+def _render_routing(d: Data) -> list[str]:
+    r = d["routing"]
+    cycle = r["cycle_p50"]
+    rows = (
+        ("name placed before: `previous_for_key` + `for_key` (the lock path)", r["cached"]),
+        ("a name's first placement: the same, rendezvous hash of 3 shards", r["first_placement"]),
+        ("`pglock_celery.shard_of(name)` (app settings, the name's key, placement)", r["shard_of"]),
+    )
+    return [
+        f"### {_PARTS['routing']}",
+        "",
+        f"Per call, the median over {r['rounds']} rounds of batches of {r['batch']:,} calls"
+        " (the bare loop's time taken off), against the p50 of"
+        f" {r['cycles']:,} `try_lock` cycles (acquire + release, default strategy) on names"
+        f" of shard 1 through an app with `pglock_shards` of {r['shards']} shards; rounds"
+        " rotate the order of the steps.",
+        "",
+        "| routing | per call | share of a lock cycle |",
+        "| --- | ---: | ---: |",
+        *(f"| {what} | {_us(seconds)} | {seconds / cycle:.2%} |" for what, seconds in rows),
+        "",
+        f"The lock cycle: {_ms(cycle)} through the 3-shard app, {_ms(r['cycle_one_dsn_p50'])}"
+        " through an app whose `pglock_dsn` is shard 1's server (the same server, no"
+        " routing): the difference is within this machine's noise. `shard_of(name)` also"
+        " reads the app's settings and hashes the name into its key, which a lock does"
+        " anyway.",
+        "",
+    ]
+
+
+def _fill_server_seconds(fit: Data, locks: int, shards: int, sessions: int) -> float:
+    """Server CPU seconds to take ``locks`` on ``sessions`` per shard, from the fit.
+
+    Each statement costs ``base + slope x`` us with x the locks its session holds; x
+    grows from 0 to locks / (shards x sessions), so on average half of that.
+    """
+    return float(locks * (fit["base"] + fit["slope"] * locks / (shards * sessions) / 2) / 1e6)
+
+
+def _render_held(d: Data) -> list[str]:
+    h, table = d["held"], d["lock_table"]
+    shards = h["shards"]
+    held, target = h["held"], h["target"]
+    sessions = sum(s["sessions"] for s in shards)
+    lines = [
+        f"### {_PARTS['held']}",
+        "",
+        f"One process (its own, spawned) takes {target:,} locks of distinct names through"
+        f' `AdvisoryLock` under `pglock_strategy = "shared"` with `pglock_shared_sessions` ='
+        f" {h['sessions_per_shard']} per shard, from {h['threads']} threads, and keeps them"
+        f" all; then {h['check_sample']:,} random ones are checked with `held()`, and the"
+        " process is killed (its sessions end, the servers free the locks). Names go to their"
+        " shards by rendezvous hashing.",
+        "",
+        "| shard | names routed to it | lock sessions | advisory locks on the server"
+        " | sessions' backends, private memory (RssAnon) | their RSS |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        *(
+            f"| {s['name']} | {s['routed']:,} | {s['sessions']} | {s['locks']:,} |"
+            f" {_mb(s['private_kb'])} | {_mb(s['rss_kb'])} |"
+            for s in shards
+        ),
+        "",
+    ]
+    most = max(s["routed"] for s in shards)
+    default, prepared = table["default_locks_per_transaction"], table["max_prepared_transactions"]
+    lines += [
+        f"- Held at once: **{held:,} of {target:,}** in {h['seconds']:.0f} s"
+        f" (deadline {h['deadline']:.0f} s), on {sessions} sessions in all"
+        f" ({', '.join(str(s['sessions']) for s in shards)} per shard)."
+        + (
+            f" Errors: {'; '.join(f'{n} x `{e}`' for e, n in h['errors'].items())}."
+            if h["errors"]
+            else ""
+        ),
+        f"- Lock table: the busiest shard's {most:,} locks need `max_locks_per_transaction`"
+        f" >= {most:,} / (`max_connections` {table['max_connections']} +"
+        f" `max_prepared_transactions` {table['max_prepared_transactions']}) ="
+        f" {table['needed_locks_per_transaction']}, against the default"
+        f" {default} ({default * (table['max_connections'] + prepared):,} slots); set"
+        f" to {table['locks_per_transaction']} ({table['slots']:,} slots by that formula;"
+        f" Postgres sizes the table for its {table['auxiliary_backends']} background"
+        f" processes too: {table['allocated_slots']:,}). Each slot costs"
+        f" {table['bytes_per_slot']:.0f} bytes of shared memory (from `postgres -C"
+        f" shared_memory_size`); each server's shared memory: {table['shared_memory']}.",
+        f"- Holder process memory (RssAnon): {h['rss_before_kb'] / 1024:,.0f} MB before,"
+        f" {h['rss_after_kb'] / 1024:,.0f} MB holding: "
+        + (
+            f"{(h['rss_after_kb'] - h['rss_before_kb']) * 1024 / held:,.0f} bytes per held lock."
+            if held
+            else "nothing held."
+        ),
+    ]
+    private = [s["private_kb"] for s in shards]
+    idle = h.get("idle_backend_kb")
+    if held and idle is not None and None not in private:
+        extra = sum(private) - sessions * idle
+        lines.append(
+            f"- Server backends: {sum(private) / 1024:,.0f} MB private in all for {sessions}"
+            f" sessions; a fresh backend has {idle / 1024:.1f} MB, so holding costs about"
+            f" {max(0, extra) * 1024 / held:,.0f} bytes of backend memory per lock, besides"
+            " its lock-table slot."
+        )
+    fit, blocks = h.get("server_fit"), h.get("blocks", [])
+    if fit and blocks:
+        per = held / (len(shards) * h["sessions_per_shard"])
+        measured = _fill_server_seconds(fit, target, len(shards), h["sessions_per_shard"])
+        default = _fill_server_seconds(fit, target, len(shards), h["default_shared_sessions"])
+        first, last = blocks[0], blocks[-1]
+        lines.append(
+            "- A statement costs the server more the more locks its session holds: server CPU"
+            f" per lock taken rose from {first['server_us']:,.0f} us (about"
+            f" {first['per_session']:,.0f} locks per session) to {last['server_us']:,.0f} us"
+            f" (about {last['per_session']:,.0f}), {fit['slope']:.2f} us more per lock already"
+            f" on the session (a least-squares line over the fill's {len(blocks)} reports;"
+            " consistent with Postgres going over a backend's whole local lock table at the end"
+            f" of each statement). Here each session ended with about {per:,.0f} locks. By"
+            f" that line, {target:,} locks cost the servers about {measured:.0f} s of CPU on"
+            f" {h['sessions_per_shard']} sessions per shard, and about {default:.0f} s on the"
+            f" default {h['default_shared_sessions']} (an extrapolation): why this run uses"
+            f" {h['sessions_per_shard']}."
+        )
+    if held:
+        check = h["check_seconds"]
+        lines.append(
+            f"- Loss checks: the holder's `pglock_check_interval` was {h['check_interval']:.0f}"
+            " s, so that the monitor stayed out of the fill. A check is one statement per hold;"
+            f" `held()` on a held lock took {check * 1000:.2f} ms (median), so a pass over"
+            f" {held:,} holds takes {held * check:.0f} s of one checker thread, against the"
+            f" default interval of {h['default_check_interval']:.0f} s: one process keeps up"
+            f" with about {h['default_check_interval'] / check:,.0f} holds per checker thread"
+            f" (at most {CHECKERS}) at this load."
+        )
+    lines.append(
+        f"- Freed {h['freed_seconds'] * 1000:.0f} ms after the holder was killed (every"
+        " shard's advisory locks gone)."
+    )
+    if held < target:
+        lines.append(_extrapolated(h))
+    return [*lines, ""]
+
+
+def _extrapolated(h: Data) -> str:
+    """The fill that ran out of time: what the whole would take, from the measured rate."""
+    held, target = h["held"], h["target"]
+    fit = h.get("wall_fit")
+    text = f"- **Not all held**: {held:,} of {target:,} within the deadline. "
+    if fit:
+        seconds = (fit["base"] * target + fit["slope"] * target**2 / 2) / 1e6
+        text += (
+            f"Extrapolated (wall time per lock {fit['base']:.0f} us + {fit['slope']:.4f} us per"
+            f" lock held, a fit over this run's reports): {target:,} would take about"
+            f" {seconds:.0f} s."
+        )
+    per = (h["rss_after_kb"] - h["rss_before_kb"]) / held if held else None
+    if per is not None:
+        text += (
+            f" Holder memory at {target:,}, at this run's rate per lock: about"
+            f" {(h['rss_before_kb'] + per * target) / 1024:,.0f} MB."
+        )
+    return text + " These are extrapolations, not measurements."
+
+
+def _render_shard_spin(d: Data) -> list[str]:
+    t = d["throughput"]
+    return [
+        f"### {_PARTS['throughput']}",
+        "",
+        f"{t['processes']} client processes, one thread each, run lock cycles"
+        f" (`AdvisoryLock` acquire + release, `{t['strategy']}`, names of their own spread by"
+        f" the hash) for {t['seconds']:.0f} s against 1, 2 and then 3 shards, each shard its own"
+        f" server; median of {t['rounds']} rounds that rotate the order. CPU per cycle: the"
+        " clients' own (process time), the servers' (every process of the three, from"
+        " /proc/<pid>/schedstat).",
+        "",
+        "| shards | lock cycles/s | client CPU per cycle | server CPU per cycle"
+        f" | cycles/s {d['cores']} cores would run at that CPU |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+        *(
+            f"| {r['shards']} | {r['rate']:,.0f} | {r['client_us']:.0f} us |"
+            f" {r['server_us']:.0f} us |"
+            f" {d['cores'] * 1e6 / (r['client_us'] + r['server_us']):,.0f} |"
+            for r in t["runs"]
+        ),
+        "",
+        f"The servers and the clients share this machine's {d['cores']} cores, so the last"
+        " column bounds the rate: a row below it spent part of its time waiting, not"
+        " computing (a wait this section does not break down; other work on this shared"
+        " machine is one). The CPU per cycle is what carries over to shards on machines of"
+        " their own: a shard costs no more per cycle than one server; 8d puts the figures"
+        " together.",
+        "",
+    ]
+
+
+def _render_capacity(d: Data) -> list[str]:
+    table, spin, held = d.get("lock_table"), d.get("throughput"), d.get("held")
+    missing = [part for part, found in (("8b", held), ("8c", spin)) if not found]
+    if not table or not held or not spin:
+        why = f"it needs the figures of {', '.join(missing) or '8b'}"
+        return _not_measured("capacity", why)
+    runs = spin["runs"]
+    server_us = statistics.median(r["server_us"] for r in runs)
+    client_us = statistics.median(r["client_us"] for r in runs)
+    connections = table["max_connections"]
+    # Per shard, per worker process: its lock sessions there and one probe session.
+    reuse_sessions, shared_sessions = 1 + 1, d["shared_sessions"] + 1
+    reuse_limit, shared_limit = connections // reuse_sessions, connections // shared_sessions
+    slots = table["slots"]
+    per_core = 1e6 / server_us
+    lines = [
+        f"### {_PARTS['capacity']}",
+        "",
+        f"From the figures above, for shard servers like these (`max_connections`"
+        f" {connections}, `max_locks_per_transaction` {table['locks_per_transaction']},"
+        f" `max_prepared_transactions` {table['max_prepared_transactions']}), each on a"
+        " machine of its own. What one shard costs:",
+        "",
+        "- Connections, per worker process that locks names of the shard: its lock sessions"
+        " there plus one probe session (used when it checks a busy lock). `reuse`, one call at"
+        " a time (prefork): 1 + 1; `shared` (threads, gevent): up to"
+        f" `pglock_shared_sessions` = {d['shared_sessions']}, + 1 (8b: {held['sessions_per_shard']}"
+        f" per shard when set to {held['sessions_per_shard']}, never more).",
+        f"- Lock table: one slot per lock held on the shard, {table['bytes_per_slot']:.0f}"
+        " bytes of shared memory each.",
+        f"- CPU: {server_us:.0f} us of server CPU and {client_us:.0f} us of client CPU per lock"
+        " cycle (8c, the median over shard counts).",
+        "",
+        "Where the limit is, per shard:",
+        "",
+        f"- Connections: `max_connections` / sessions per process = {connections} /"
+        f" {reuse_sessions} = {reuse_limit} `reuse` prefork processes, or {connections} /"
+        f" {shared_sessions} = {shared_limit} `shared` processes.",
+        f"- Lock table: `max_locks_per_transaction` x (`max_connections` +"
+        f" `max_prepared_transactions`) = {table['locks_per_transaction']} x ({connections} +"
+        f" {table['max_prepared_transactions']}) = {slots:,} locks held at once.",
+        f"- CPU: 1 s / {server_us:.0f} us = {per_core:,.0f} lock cycles/s per server core.",
+        "",
+        "A name's shard is fixed by the hash, so a worker process that runs any tenant locks"
+        " on every shard and keeps sessions on each: adding shards divides the lock table's"
+        " load and the server CPU, not the connections of each server. Dividing those too"
+        " needs the processes split by shard (a queue per shard, routed by"
+        " `pglock_celery.shard_of(name)`), the last column.",
+        "",
+        "| shards | locks held at once (lock table) | lock cycles/s (1 server core per shard)"
+        " | client cores for that rate | worker processes, each on every shard (`reuse` /"
+        " `shared`) | worker processes, split by shard (`reuse` / `shared`) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for n in MODEL_SHARDS:
+        rate = n * per_core
+        lines.append(
+            f"| {n} | {n * slots:,} | {rate:,.0f} | {rate * client_us / 1e6:.1f} |"
+            f" {reuse_limit} / {shared_limit} | {n * reuse_limit} / {n * shared_limit} |"
+        )
+    return [
+        *lines,
+        "",
+        "A model, not a measurement of N machines: it assumes the per-cycle CPU measured here"
+        " on shared cores, names spread evenly (8b's routed counts), and nothing else on the"
+        " servers. More `max_connections` or `max_locks_per_transaction` raises those limits"
+        " at the cost of memory (a backend each; a slot each); the loss checks (8b) bound the"
+        " locks one process can hold and watch at the default interval.",
+        "",
+    ]
+
+
 RENDERERS: dict[str, Callable[[Data], list[str]]] = {
     "latency": render_latency,
     "throughput": render_throughput,
@@ -839,6 +1195,7 @@ RENDERERS: dict[str, Callable[[Data], list[str]]] = {
     "peak": render_peak,
     "guard": render_guard,
     "scale": render_scale,
+    "shards": render_shards,
 }
 TITLES = {
     "latency": "Acquire + release, uncontended",
@@ -848,6 +1205,7 @@ TITLES = {
     "peak": "Lock connections at peak",
     "guard": "Guarded tables",
     "scale": "Scale",
+    "shards": "Shards",
 }
 
 
@@ -885,8 +1243,8 @@ def render_header(run: Data | None) -> list[str]:
         "**Layout.** One module per question, each writing its figures to"
         " `bench/results/<question>.json`: `bench.latency` (1), `bench.throughput` (2),"
         " `bench.recovery` (3), `bench.fanout` (4), `bench.peak` (5), `bench.guard` (6),"
-        " `bench.scale` (7). `python -m bench.<question>` runs one alone and rewrites its data"
-        " and this page; `make bench` runs them all.",
+        " `bench.scale` (7), `bench.shards` (8). `python -m bench.<question>` runs one alone"
+        " and rewrites its data and this page; `make bench` runs them all.",
         "",
     ]
     return lines

@@ -13,7 +13,9 @@ bench/chart.png and bench/scale.png from those files alone:
 5. ``bench.peak``: lock sessions at peak and after;
 6. ``bench.guard``: the cost of a guarded write;
 7. ``bench.scale``: cost against foreign locks, sessions for 1,000 and 10,000
-   holders, lock throughput.
+   holders, lock throughput;
+8. ``bench.shards``: routing a name to its shard, 100,000 locks held over three
+   shard servers, lock throughput with 1 to 3 shards, a capacity model.
 
 ``make bench ARGS="--sections 1,7"`` (numbers or names) runs some of them and
 rewrites their data only; ``python -m bench.<question>`` runs one alone;
@@ -27,9 +29,29 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from bench import cli, fanout, guard, latency, peak, recovery, report, scale, throughput
+from bench import (
+    cli,
+    fanout,
+    guard,
+    latency,
+    peak,
+    recovery,
+    report,
+    scale,
+    shards,
+    throughput,
+)
 
-QUESTIONS: tuple[ModuleType, ...] = (latency, throughput, recovery, fanout, peak, guard, scale)
+QUESTIONS: tuple[ModuleType, ...] = (
+    latency,
+    throughput,
+    recovery,
+    fanout,
+    peak,
+    guard,
+    scale,
+    shards,
+)
 
 
 def chosen(sections: str) -> list[ModuleType]:
