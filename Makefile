@@ -99,10 +99,9 @@ integration: $(STAMP)
 chaos: $(STAMP)
 	$(PY) -m pytest tests/chaos
 
-# Side-by-side and scale benchmarks on a Postgres of their own (about 5 minutes): one
+# Side-by-side and scale benchmarks on a Postgres of their own (about 7 minutes): one
 # module per question (bench/latency.py, throughput, recovery, fanout, peak, guard, scale,
-# shards)
-# writes its figures to bench/results/<question>.json, then bench/report.py renders
+# shards) writes its figures to bench/results/<question>.json, then bench/report.py renders
 # BENCHMARKS.md, bench/chart.png and bench/scale.png from those files alone. Some
 # sections: make bench ARGS="--sections 1,7"; one alone: python -m bench.<question>;
 # the page alone, from the stored data: python -m bench.report.
