@@ -361,15 +361,16 @@ def cmd_guard_list(args: argparse.Namespace) -> int:
 
 
 def _rollout(args: argparse.Namespace) -> Rollout:
-    """The databases of both maps (each once), with this configuration's map."""
+    """The databases of both maps (each DSN once), with this configuration's map."""
     config = _sharded_settings(args)
     identity = None if config is None else config.map_identity
     if config is None or identity is None:
         raise UsageError("no pglock_shards is set: give the app (-A) or PGLOCK_SHARDS")
     databases: dict[str, tuple[str, str]] = {}
     for shard in (*(config.shards or ()), *(config.shards_previous or ())):
-        databases.setdefault(describe_target(shard.dsn), (shard.name, _usable_dsn(shard.dsn)))
-    return Rollout(list(databases.values()), identity, config.application_name, connect)
+        dsn = _usable_dsn(shard.dsn)
+        databases.setdefault(dsn, (shard.name, dsn))
+    return Rollout(list(databases.values()), identity, connect)
 
 
 def _print_accepted(rollout: Rollout) -> None:

@@ -172,6 +172,32 @@ def describe_target(dsn: str) -> str:
     return f"{target} as {user}" if user else target
 
 
+#: The libpq parameters that choose which database a DSN reaches, with the environment
+#: variable that stands in for each one left out.
+DATABASE_PARAMETERS = {
+    "service": "PGSERVICE",
+    "host": "PGHOST",
+    "hostaddr": "PGHOSTADDR",
+    "port": "PGPORT",
+    "dbname": "PGDATABASE",
+    "user": "PGUSER",
+}
+
+
+def database_parameters(dsn: str) -> tuple[tuple[str, str], ...]:
+    """The parameters of ``dsn`` that choose its database, as written (an unset one from
+    its environment variable): ``service`` among them, never a password."""
+    parsed = parse_dsn(dsn)
+    if parsed.problem is not None:
+        return (("malformed", MALFORMED),)
+    found = []
+    for name, variable in DATABASE_PARAMETERS.items():
+        value = parsed.params.get(name) or os.environ.get(variable, "")
+        if value:
+            found.append((name, value))
+    return tuple(found)
+
+
 def without_server(dsn: str, host: str, port: int) -> str | None:
     """``dsn`` without the server of its host list that ``host`` and ``port`` name (as
     libpq reports a connection's), its other servers in their order.

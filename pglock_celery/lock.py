@@ -30,7 +30,8 @@ from .inspect import Holder
 from .keys import cached_lock_key, check_key, check_lock_name, check_timeout, lock_key
 from .loss import Loss
 from .monitor import Hold, LossHandler
-from .session import compose_holder_name, holder_name
+from .rollout import known_database
+from .session import compose_holder_name, holder_name, idle_name, open_session
 from .shield import library_code
 from .sources import registry
 from .sources.base import Source
@@ -53,6 +54,23 @@ def current_lock() -> AdvisoryLock | None:
     if lock is None or not lock.acquired:
         return None
     return lock
+
+
+def _one_database(before: PglockConfig, now: PglockConfig) -> bool:
+    """Whether a moving name's previous shard and its new one are one database under
+    two DSNs (as the transition's lock sessions found them: a session opened, never
+    locking, on a DSN not met yet). Taken on both, the second lock would wait on the
+    first."""
+    found = []
+    for config in (before, now):
+        dsn = config.require_dsn()
+        where = known_database(dsn)
+        if where is None:
+            with registry.opening(config):
+                open_session(config, idle_name(config.application_name), takes_locks=False).close()
+            where = known_database(dsn)
+        found.append(where)
+    return found[0] is not None and found[0] == found[1]
 
 
 class AdvisoryLock:
@@ -199,6 +217,9 @@ class AdvisoryLock:
         stays held).
         """
         previous = self._previous
+        if previous is not None and _one_database(previous.config, self.config):
+            # Two DSNs of one database: its one lock there excludes either map.
+            self._previous = previous = None
         if previous is None:
             return self._acquire_here(self._timeout)
         # A moving name: its previous shard first, always (one order for every worker).

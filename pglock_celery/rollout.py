@@ -18,29 +18,39 @@ accepts the new map. A shard without the record accepts every map, as before any
 rollout: a transition worker refuses to run there (``pglock-celery shards begin``
 first).
 
-A map is known by its shards' names and databases (``host:port/dbname``, never a
-password) and its rule's name (:class:`MapIdentity`): the transition's identity is
-the pair, ``previous>new``.
+A map is known by its shards' names, the parameters of each DSN that choose its
+database (``service``, ``host``, ``port``, ``dbname``..., never a password) and its
+rule's name (:class:`MapIdentity`): the transition's identity is the pair,
+``previous>new``. Two DSNs of one database are one shard to the transition: its
+sessions note which database each DSN reached (:func:`learn_database`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
-import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import psycopg
 
 from . import sql
-from .dsn import describe_target
+from .dsn import database_parameters
 from .exceptions import LockUnavailable, PglockError
 from .shards import DEFAULT, Rule, Shard
 
-__all__ = ["MapIdentity", "Rollout", "RolloutRefused", "enter", "map_identity"]
+__all__ = [
+    "MapIdentity",
+    "Rollout",
+    "RolloutRefused",
+    "enter",
+    "known_database",
+    "learn_database",
+    "map_identity",
+]
 
 #: How often ``finish`` looks again for sessions of a map no longer accepted.
 DRAIN_POLL = 0.5
@@ -65,9 +75,9 @@ class MapIdentity:
 
 def _digest(shards: Sequence[Shard] | None, dsn: str | None, rule: Rule | None) -> str:
     placed = (
-        sorted((shard.name, describe_target(shard.dsn)) for shard in shards)
+        sorted((shard.name, database_parameters(shard.dsn)) for shard in shards)
         if shards is not None
-        else [(DEFAULT, describe_target(dsn or ""))]
+        else [(DEFAULT, database_parameters(dsn or ""))]
     )
     named = None if rule is None else f"{rule.__module__}:{getattr(rule, '__qualname__', rule)}"
     text = json.dumps({"shards": placed, "rule": named}, sort_keys=True)
@@ -108,6 +118,21 @@ def enter(
         )
 
 
+#: DSN -> the database it reached (database_of), as the lock sessions of a transition
+#: last found it: whether a name's previous shard and its new one are one database.
+_databases: dict[str, str] = {}
+
+
+def learn_database(conn: psycopg.Connection[Any], dsn: str) -> None:
+    """Note which database a transition's lock session on ``dsn`` reached."""
+    _databases[dsn] = database_of(conn)
+
+
+def known_database(dsn: str) -> str | None:
+    """The database a transition's lock session on ``dsn`` last reached, if one opened."""
+    return _databases.get(dsn)
+
+
 class RolloutRefused(PglockError):
     """A step of a change of the shards does not fit the shards' record: nothing written."""
 
@@ -124,29 +149,38 @@ class Connected:
 
 Connect = Callable[[str], psycopg.Connection[Any]]
 
+#: How long a step waits for another step of the shards to finish on a database.
+STEP_LOCK_WAIT = "30s"
+
+
+def database_of(conn: psycopg.Connection[Any]) -> str:
+    """Which database ``conn`` is on (sql.DATABASE_OF): equal for two connections only
+    when they reach one database."""
+    row = conn.execute(sql.DATABASE_OF).fetchone()
+    assert row is not None
+    return str(row[0])
+
 
 class Rollout:
     """The operator's side of a change of the shards, over every database of both maps.
 
     ``shards``: every shard database concerned, name and DSN (the union of the old and
     the new map); ``identity``: the map of the configuration the operator runs it
-    with; ``prefix``: the lock sessions' application_name prefix (sessions connected
-    before the record existed are known by it); ``connect``: how to open an
-    inspection session on a DSN. Each step refuses (RolloutRefused) a record that is
-    not of this change, and never accepts a map while a session of one it excludes may
-    still be connected.
+    with; ``connect``: how to open an inspection session on a DSN. Each step refuses
+    (RolloutRefused) a record that is not of this change, and never accepts a map
+    while a session of one it excludes may still be connected. A step reads and writes
+    the record of every database under that record's write lock, so two steps (two
+    operators, a deploy script) run one after the other, each on what the other left.
     """
 
     def __init__(
         self,
         shards: Sequence[tuple[str, str]],
         identity: MapIdentity,
-        prefix: str,
         connect: Connect,
     ) -> None:
         self.shards = shards
         self.identity = identity
-        self.pattern = f"^{re.escape(prefix)}(-[^|]*)?[|]"
         self.connect = connect
 
     def init(self) -> dict[str, list[Connected]]:
@@ -155,8 +189,9 @@ class Rollout:
         connected meanwhile (let in before: stop those workers)."""
         assert not self.identity.transition
         steady = self.identity.name
-        self._refuse_unless({steady}, "initialise it for")
-        self.accept([steady])
+        with self._step() as databases:
+            self._refuse_unless({steady}, "initialise it for", self._read(databases))
+            self._write(databases, [steady])
         return self._recorded_apart_from({steady})
 
     def begin(self) -> dict[str, list[Connected]]:
@@ -165,36 +200,56 @@ class Rollout:
         session of another map may then be connected. The sessions of other maps
         connected meanwhile."""
         old, transition = self._transition()
+        if old == self.identity.steady:
+            raise RolloutRefused(
+                f"the old and the new map are one map ({old}): their shards have the same "
+                "names and the same DSNs as written, so their workers cannot be told apart. "
+                "A database changed behind an unchanged DSN (a service file, the "
+                "environment) cannot be fenced: name it in the DSN (another service name)"
+            )
         allowed = {old, transition, f"{self.identity.steady}>{old}"}
-        self._refuse_unless(allowed, "begin")
-        self.accept([old, transition])
+        with self._step() as databases:
+            self._refuse_unless(allowed, "begin", self._read(databases))
+            self._write(databases, [old, transition])
         return self._recorded_apart_from(allowed)
 
     def finish(
         self, timeout: float, report: Callable[[str], None]
     ) -> tuple[bool, dict[str, list[Connected]]]:
         """Accept the transition alone, wait (up to ``timeout`` s) until no session of
-        another map is connected on any shard, then accept the new map too.
+        another map is connected on any shard, then accept the new map too: checked
+        once more, and written, under the record's write lock, so a step run meanwhile
+        (a ``begin`` that let the old map back) is seen, never overwritten.
 
         Returns whether it was finished already, and what is left (empty when the new
         map is accepted; else the old one stays refused with the new one, and finish
         may run again)."""
         _, transition = self._transition()
         final = {transition, self.identity.steady}
-        accepted = self.accepted()
-        if any(maps is None for maps in accepted.values()):
+        if any(maps is None for maps in self.accepted().values()):
             raise RolloutRefused(
                 "a shard keeps no record of the shard maps: run `pglock-celery shards "
                 "begin` with this configuration first"
             )
-        self._refuse_unless({*final, *self._old()}, "finish", accepted)
-        if all(set(maps or ()) == final for maps in accepted.values()):
-            return True, {}
-        self.accept([transition])
-        left = self.drain([transition], timeout, report)
-        if not left:
-            self.accept(sorted(final))
-        return False, left
+        with self._step() as databases:
+            accepted = self._read(databases)
+            self._refuse_unless({*final, *self._old()}, "finish", accepted)
+            if all(set(maps) == final for maps in accepted.values()):
+                return True, {}
+            self._write(databases, [transition])
+        deadline = time.monotonic() + timeout
+        while True:
+            left = self.drain([transition], deadline - time.monotonic(), report)
+            if left:
+                return False, left
+            with self._step() as databases:
+                self._refuse_unless(final, "finish", self._read(databases), meanwhile=True)
+                left = self._left(databases, {transition})
+                if not left:
+                    self._write(databases, sorted(final))
+                    return False, {}
+            if time.monotonic() >= deadline:
+                return False, left
 
     def _transition(self) -> tuple[str, str]:
         if self.identity.previous is None:
@@ -207,20 +262,29 @@ class Rollout:
     def _old(self) -> set[str]:
         return set() if self.identity.previous is None else {self.identity.previous}
 
+    @staticmethod
     def _refuse_unless(
-        self,
         allowed: set[str],
         step: str,
-        accepted: dict[str, list[str] | None] | None = None,
+        accepted: Mapping[str, Sequence[str] | None],
+        *,
+        meanwhile: bool = False,
     ) -> None:
-        for shard, maps in (accepted or self.accepted()).items():
+        for shard, maps in accepted.items():
             foreign = sorted(set(maps or ()) - allowed)
-            if foreign:
+            if not foreign:
+                continue
+            if meanwhile:
                 raise RolloutRefused(
-                    f"shard {shard} accepts map {', '.join(foreign)}, of another change of "
-                    f"the shards than this configuration's: cannot {step} this one there "
-                    "(pglock-celery shards status)"
+                    f"while finish waited, shard {shard} came to accept map "
+                    f"{', '.join(foreign)} (another step ran meanwhile, a `begin` say): "
+                    "nothing written; run finish again"
                 )
+            raise RolloutRefused(
+                f"shard {shard} accepts map {', '.join(foreign)}, of another change of "
+                f"the shards than this configuration's: cannot {step} this one there "
+                "(pglock-celery shards status)"
+            )
 
     def _recorded_apart_from(self, maps: set[str]) -> dict[str, list[Connected]]:
         return {
@@ -229,16 +293,63 @@ class Rollout:
             if any(s.map and s.map not in maps for s in sessions)
         }
 
-    def accept(self, maps: Iterable[str]) -> None:
-        """On every shard, create the record if need be and accept exactly ``maps``."""
-        wanted = sorted(set(maps))
-        for _, dsn in self.shards:
-            with self.connect(dsn) as conn, conn.transaction():
+    @contextlib.contextmanager
+    def _step(self) -> Iterator[list[tuple[str, psycopg.Connection[Any]]]]:
+        """Every database of the shards once (two DSNs of one database are one), each in
+        a transaction that holds its record's write lock, taken in one order (the
+        databases' own identities) by every step so none waits for another in a
+        circle. The record is created where it is missing; nothing is written unless
+        the step ends without an error."""
+        with contextlib.ExitStack() as stack:
+            found: dict[str, tuple[str, psycopg.Connection[Any]]] = {}
+            for shard, dsn in self.shards:
+                conn = stack.enter_context(self.connect(dsn))
+                found.setdefault(database_of(conn), (shard, conn))
+            databases = [found[where] for where in sorted(found)]
+            for shard, conn in databases:
+                stack.enter_context(conn.transaction())
+                conn.execute(sql.SET_STEP_LOCK_WAIT, (STEP_LOCK_WAIT,))
                 for statement in sql.CREATE_SHARD_RECORD:
                     conn.execute(statement)
-                conn.execute(sql.ACCEPT_ONLY, (wanted,))
-                for name in wanted:
-                    conn.execute(sql.ACCEPT_MAP, (name,))
+                try:
+                    conn.execute(sql.LOCK_SHARD_MAPS)
+                except psycopg.errors.LockNotAvailable:
+                    raise RolloutRefused(
+                        f"shard {shard}: its record of the shard maps stayed locked for "
+                        f"{STEP_LOCK_WAIT}: another step of the shards runs there; nothing "
+                        "written"
+                    ) from None
+            yield databases
+
+    @staticmethod
+    def _read(databases: list[tuple[str, psycopg.Connection[Any]]]) -> dict[str, list[str]]:
+        return {
+            shard: [r[0] for r in conn.execute(sql.ACCEPTED_MAPS).fetchall()]
+            for shard, conn in databases
+        }
+
+    @staticmethod
+    def _write(databases: list[tuple[str, psycopg.Connection[Any]]], maps: Iterable[str]) -> None:
+        wanted = sorted(set(maps))
+        for _, conn in databases:
+            conn.execute(sql.ACCEPT_ONLY, (wanted,))
+            for name in wanted:
+                conn.execute(sql.ACCEPT_MAP, (name,))
+
+    def _left(
+        self, databases: list[tuple[str, psycopg.Connection[Any]]], keep: set[str]
+    ) -> dict[str, list[Connected]]:
+        left = {}
+        for shard, conn in databases:
+            others = [s for s in self._sessions(shard, conn) if s.map not in keep]
+            if others:
+                left[shard] = others
+        return left
+
+    def accept(self, maps: Iterable[str]) -> None:
+        """On every shard, create the record if need be and accept exactly ``maps``."""
+        with self._step() as databases:
+            self._write(databases, maps)
 
     def accepted(self) -> dict[str, list[str] | None]:
         """Each shard's accepted maps (None where no record exists)."""
@@ -257,18 +368,21 @@ class Rollout:
         found: dict[str, list[Connected]] = {}
         for shard, dsn in self.shards:
             with self.connect(dsn) as conn:
-                sees = conn.execute(sql.SEES_EVERY_SESSION).fetchone()
-                if not (sees and sees[0]):
-                    raise RolloutRefused(
-                        f"on shard {shard} this role does not see other roles' sessions "
-                        "whole, so it cannot tell which map each lock session came with: "
-                        "run the step as a superuser or a member of pg_read_all_stats"
-                    )
-                row = conn.execute(sql.SHARD_RECORD_EXISTS).fetchone()
-                query = sql.CONNECTED_SESSIONS if row and row[0] else sql.UNRECORDED_SESSIONS
-                rows = conn.execute(query, (self.pattern,)).fetchall()
-                found[shard] = [Connected(*r) for r in rows]
+                found[shard] = self._sessions(shard, conn)
         return found
+
+    @staticmethod
+    def _sessions(shard: str, conn: psycopg.Connection[Any]) -> list[Connected]:
+        sees = conn.execute(sql.SEES_EVERY_SESSION).fetchone()
+        if not (sees and sees[0]):
+            raise RolloutRefused(
+                f"on shard {shard} this role does not see other roles' sessions "
+                "whole, so it cannot tell which map each lock session came with: "
+                "run the step as a superuser or a member of pg_read_all_stats"
+            )
+        row = conn.execute(sql.SHARD_RECORD_EXISTS).fetchone()
+        query = sql.CONNECTED_SESSIONS if row and row[0] else sql.UNRECORDED_SESSIONS
+        return [Connected(*r) for r in conn.execute(query).fetchall()]
 
     def drain(
         self, keep: Iterable[str], timeout: float, report: Callable[[str], None]

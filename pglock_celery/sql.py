@@ -256,10 +256,14 @@ def set_session_settings(count: int) -> bytes:
     return f"SELECT {calls}".encode()
 
 
-#: Whether this database keeps the record of the shard maps (rollout.py).
+#: Whether this database keeps the record of the shard maps (rollout.py), read from the
+#: catalog: a role that may not use schema public still learns that it exists (and is
+#: then refused by it rather than let past it).
 _SHARD_RECORD = (
-    b"pg_catalog.to_regclass('public.pglock_shard_sessions') IS NOT NULL"
-    b" AND pg_catalog.to_regclass('public.pglock_shard_maps') IS NOT NULL"
+    b"(SELECT pg_catalog.count(*) = 2 FROM pg_catalog.pg_class AS c"
+    b" JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace"
+    b" WHERE n.nspname = 'public'"
+    b" AND c.relname IN ('pglock_shard_sessions', 'pglock_shard_maps'))"
 )
 #: The backend a new session landed on, whether its startup options are in force,
 #: when its backend and its server started (microseconds since 1970, for probe.py), and
@@ -290,6 +294,17 @@ MAP_ACCEPTED = (
     b" coalesce(string_agg(map, ', ' ORDER BY map), '')"
     b" FROM public.pglock_shard_maps"
 )
+#: Which database this is: the cluster's system identifier (the same on each of its
+#: servers) where this role may read it, else the running server's start, with the
+#: database's oid. Two DSNs that give the same text reach one database.
+DATABASE_OF = (
+    b"SELECT coalesce(CASE WHEN pg_catalog.has_function_privilege("
+    b"'pg_catalog.pg_control_system()', 'EXECUTE') THEN (SELECT 'cluster '"
+    b" || s.system_identifier::pg_catalog.text FROM pg_catalog.pg_control_system() AS s) END,"
+    b" 'server ' || pg_catalog.pg_postmaster_start_time()::pg_catalog.text)"
+    b" || ' database ' || d.oid::pg_catalog.text"
+    b" FROM pg_catalog.pg_database AS d WHERE d.datname = pg_catalog.current_database()"
+)
 #: The record, made by the operator's command (``pglock-celery shards``); every lock
 #: session may record itself and read which maps are accepted.
 CREATE_SHARD_RECORD = (
@@ -303,19 +318,33 @@ CREATE_SHARD_RECORD = (
     b"DELETE FROM public.pglock_shard_sessions AS s WHERE NOT EXISTS (SELECT FROM"
     b" pg_catalog.pg_stat_activity AS a WHERE a.pid = s.pid AND a.backend_start = s.backend_start)",
 )
+#: How long a step waits for the record's write lock (%s), in its transaction only.
+SET_STEP_LOCK_WAIT = b"SELECT pg_catalog.set_config('lock_timeout', %s, true)"
+#: One step of a change of the shards at a time on a database: the record's writers
+#: queue here, its readers (every lock session opening) do not.
+LOCK_SHARD_MAPS = b"LOCK TABLE public.pglock_shard_maps IN EXCLUSIVE MODE"
 #: Accept no map but those of the array %s (then ACCEPT_MAP each).
 ACCEPT_ONLY = b"DELETE FROM public.pglock_shard_maps WHERE map <> ALL (%s::text[])"
 ACCEPT_MAP = b"INSERT INTO public.pglock_shard_maps (map) VALUES (%s) ON CONFLICT DO NOTHING"
 ACCEPTED_MAPS = b"SELECT map FROM public.pglock_shard_maps ORDER BY map"
+#: A session that recorded no map is taken for a lock session (of any prefix) by its
+#: name as the library writes it (``prefix|pid...``, ``prefix-idle|pid``), or by an
+#: advisory lock of the library's kind (one bigint key) that it holds or waits for: a
+#: holder that renamed its session still holds its lock.
+_UNRECORDED_LOCK_SESSION = (
+    b"(a.application_name ~ '^[^|]+[|][0-9]+([.][0-9a-f]+)?([|]|$)'"
+    b" OR a.pid IN (SELECT l.pid FROM pg_catalog.pg_locks AS l"
+    b" WHERE l.locktype = 'advisory' AND l.objsubid = 1))"
+)
 #: The live lock sessions with the map each recorded ('' for none): recorded ones,
-#: and those named as lock sessions (application_name matching %s) that recorded none.
+#: and those that recorded none but are lock sessions all the same.
 CONNECTED_SESSIONS = (
     b"SELECT coalesce(s.map, ''), a.pid, a.application_name, pg_catalog.host(a.client_addr)"
     b" FROM pg_catalog.pg_stat_activity AS a LEFT JOIN public.pglock_shard_sessions AS s"
     b" ON s.pid = a.pid AND s.backend_start = a.backend_start"
     b" WHERE a.pid <> pg_catalog.pg_backend_pid() AND a.backend_type = 'client backend'"
     b" AND a.datname = pg_catalog.current_database()"
-    b" AND (s.map IS NOT NULL OR a.application_name ~ %s) ORDER BY 1, 2"
+    b" AND (s.map IS NOT NULL OR " + _UNRECORDED_LOCK_SESSION + b") ORDER BY 1, 2"
 )
 #: Whether this role sees other roles' sessions whole (their backend_start among them).
 SEES_EVERY_SESSION = (
@@ -328,5 +357,5 @@ UNRECORDED_SESSIONS = (
     b" FROM pg_catalog.pg_stat_activity AS a"
     b" WHERE a.pid <> pg_catalog.pg_backend_pid() AND a.backend_type = 'client backend'"
     b" AND a.datname = pg_catalog.current_database()"
-    b" AND a.application_name ~ %s ORDER BY 2"
+    b" AND " + _UNRECORDED_LOCK_SESSION + b" ORDER BY 2"
 )

@@ -73,7 +73,7 @@ def test_the_fence_holds_in_every_state_it_is_driven_through(three: dict[str, st
                     conn.execute("DROP TABLE IF EXISTS pglock_shard_maps, pglock_shard_sessions")
             shards = list(three.items())
             self.operator = {
-                kind: Rollout(shards, config.map_identity, "pglock", connect)  # type: ignore[arg-type]
+                kind: Rollout(shards, config.map_identity, connect)  # type: ignore[arg-type]
                 for kind, config in kinds.items()
             }
             self.held: list[tuple[str, AdvisoryLock]] = []

@@ -153,7 +153,7 @@ def recorded(three: dict[str, str]) -> Iterator[None]:
         for shards, previous in ((two, None), (every, None), (every, two))
     ]
     assert maps[2] is not None
-    rollout = Rollout(list(three.items()), maps[2], "pglock", connect)
+    rollout = Rollout(list(three.items()), maps[2], connect)
     rollout.accept(m.name for m in maps if m is not None)
     yield
     registry.close()  # sessions that recorded a map in the tables dropped now

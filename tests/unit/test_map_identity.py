@@ -3,10 +3,12 @@ maps apart by, and what it must not depend on."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from pglock_celery.config import PglockConfig
+from pglock_celery.rollout import Rollout, RolloutRefused
 from pglock_celery.shards import parse_shards
 
 NAMES = st.lists(st.sampled_from("abcdefg"), min_size=1, max_size=5, unique=True)
@@ -74,3 +76,40 @@ def test_one_database_alone_is_a_map_of_one_shard() -> None:
     alone = PglockConfig(dsn="host=db-a dbname=app").map_identity
     assert alone is not None and not alone.transition
     assert alone != PglockConfig(dsn="host=db-b dbname=app").map_identity
+
+
+@given(
+    st.sampled_from(["service", "host", "hostaddr", "port", "dbname", "user"]),
+    st.sampled_from(["one", "two"]),
+)
+def test_every_parameter_that_chooses_the_database_is_part_of_the_map(
+    parameter: str, value: str
+) -> None:
+    written = {"service": "svc", "host": "db", "hostaddr": "10.0.0.1", "port": "5432"}
+    written |= {"dbname": "app", "user": "worker"}
+    values = {"hostaddr": "10.0.0.2", "port": "5433"}
+    changed = {**written, parameter: values.get(parameter, value)}
+
+    def one(params: dict[str, str]) -> str:
+        dsn = " ".join(f"{k}={v}" for k, v in params.items())
+        found = PglockConfig(shards=parse_shards({"a": dsn})).map_identity
+        assert found is not None
+        return found.name
+
+    assert one(changed) != one(written)
+    # What only tunes the connection is not: a timeout, the password.
+    assert one({**written, "connect_timeout": "9", "password": "pw"}) == one(written)
+
+
+def test_begin_refuses_a_change_that_leaves_the_map_as_written() -> None:
+    """A service file edited behind an unchanged DSN: nothing can tell its workers apart."""
+    same = {"a": "service=app"}
+    config = PglockConfig(shards=parse_shards(same), shards_previous=parse_shards(same))
+    assert config.map_identity is not None
+
+    def never(dsn: str) -> object:
+        raise AssertionError(f"connected to {dsn}: the refusal must come first")
+
+    rollout = Rollout([("a", "service=app")], config.map_identity, never)  # type: ignore[arg-type]
+    with pytest.raises(RolloutRefused, match="one map"):
+        rollout.begin()
