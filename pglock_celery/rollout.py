@@ -133,6 +133,11 @@ def known_database(dsn: str) -> str | None:
     return _databases.get(dsn)
 
 
+def _recorded(conn: psycopg.Connection[Any]) -> bool:
+    row = conn.execute(sql.SHARD_RECORD_EXISTS).fetchone()
+    return bool(row and row[0])
+
+
 class RolloutRefused(PglockError):
     """A step of a change of the shards does not fit the shards' record: nothing written."""
 
@@ -277,8 +282,9 @@ class Rollout:
             if meanwhile:
                 raise RolloutRefused(
                     f"while finish waited, shard {shard} came to accept map "
-                    f"{', '.join(foreign)} (another step ran meanwhile, a `begin` say): "
-                    "nothing written; run finish again"
+                    f"{', '.join(foreign)} again (another step ran meanwhile, a `begin` "
+                    "say, or this finish could not write there): nothing written; run "
+                    "finish again"
                 )
             raise RolloutRefused(
                 f"shard {shard} accepts map {', '.join(foreign)}, of another change of "
@@ -304,9 +310,12 @@ class Rollout:
             found: dict[str, tuple[str, psycopg.Connection[Any]]] = {}
             for shard, dsn in self.shards:
                 conn = stack.enter_context(self.connect(dsn))
+                self._sees_every_session(shard, conn)  # refused before anything is written
                 found.setdefault(database_of(conn), (shard, conn))
             databases = [found[where] for where in sorted(found)]
             for shard, conn in databases:
+                if _recorded(conn):
+                    conn.execute(sql.PRUNE_SHARD_SESSIONS)
                 stack.enter_context(conn.transaction())
                 conn.execute(sql.SET_STEP_LOCK_WAIT, (STEP_LOCK_WAIT,))
                 for statement in sql.CREATE_SHARD_RECORD:
@@ -356,8 +365,7 @@ class Rollout:
         found: dict[str, list[str] | None] = {}
         for shard, dsn in self.shards:
             with self.connect(dsn) as conn:
-                row = conn.execute(sql.SHARD_RECORD_EXISTS).fetchone()
-                if row is None or not row[0]:
+                if not _recorded(conn):
                     found[shard] = None
                     continue
                 found[shard] = [r[0] for r in conn.execute(sql.ACCEPTED_MAPS).fetchall()]
@@ -372,7 +380,7 @@ class Rollout:
         return found
 
     @staticmethod
-    def _sessions(shard: str, conn: psycopg.Connection[Any]) -> list[Connected]:
+    def _sees_every_session(shard: str, conn: psycopg.Connection[Any]) -> None:
         sees = conn.execute(sql.SEES_EVERY_SESSION).fetchone()
         if not (sees and sees[0]):
             raise RolloutRefused(
@@ -380,8 +388,12 @@ class Rollout:
                 "whole, so it cannot tell which map each lock session came with: "
                 "run the step as a superuser or a member of pg_read_all_stats"
             )
-        row = conn.execute(sql.SHARD_RECORD_EXISTS).fetchone()
-        query = sql.CONNECTED_SESSIONS if row and row[0] else sql.UNRECORDED_SESSIONS
+
+    @classmethod
+    def _sessions(cls, shard: str, conn: psycopg.Connection[Any]) -> list[Connected]:
+        cls._sees_every_session(shard, conn)
+        conn.execute(sql.FRESH_ACTIVITY)
+        query = sql.CONNECTED_SESSIONS if _recorded(conn) else sql.UNRECORDED_SESSIONS
         return [Connected(*r) for r in conn.execute(query).fetchall()]
 
     def drain(

@@ -314,10 +314,17 @@ CREATE_SHARD_RECORD = (
     b" (pid integer PRIMARY KEY, backend_start timestamptz NOT NULL, map text NOT NULL)",
     b"GRANT SELECT ON public.pglock_shard_maps TO PUBLIC",
     b"GRANT SELECT, INSERT, UPDATE ON public.pglock_shard_sessions TO PUBLIC",
-    # A gone session's row is never in the way, but need not stay either.
-    b"DELETE FROM public.pglock_shard_sessions AS s WHERE NOT EXISTS (SELECT FROM"
-    b" pg_catalog.pg_stat_activity AS a WHERE a.pid = s.pid AND a.backend_start = s.backend_start)",
 )
+#: A gone session's row is never in the way, but need not stay either (run on its own,
+#: never inside a step's transaction: a session opening meanwhile never waits for it).
+#: A session whose start this role cannot see is never taken for gone.
+PRUNE_SHARD_SESSIONS = (
+    b"DELETE FROM public.pglock_shard_sessions AS s WHERE NOT EXISTS (SELECT FROM"
+    b" pg_catalog.pg_stat_activity AS a WHERE a.pid = s.pid"
+    b" AND (a.backend_start = s.backend_start OR a.backend_start IS NULL))"
+)
+#: Read pg_stat_activity afresh (a transaction otherwise keeps its first look at it).
+FRESH_ACTIVITY = b"SELECT pg_catalog.pg_stat_clear_snapshot()"
 #: How long a step waits for the record's write lock (%s), in its transaction only.
 SET_STEP_LOCK_WAIT = b"SELECT pg_catalog.set_config('lock_timeout', %s, true)"
 #: One step of a change of the shards at a time on a database: the record's writers

@@ -400,3 +400,38 @@ def test_a_refused_map_is_told_without_the_password(
         assert secret not in repr(n.map_identity)
     finally:
         registry.close()
+
+
+def test_a_step_by_a_role_that_cannot_see_every_session_writes_nothing(
+    make_dbs: Callable[[int], list[str]], clean_env: pytest.MonkeyPatch, pg_dsn: str
+) -> None:
+    """Other roles' sessions show such a role no start: it is refused before it writes,
+    and the rows of live sessions stay (none is taken for gone)."""
+    a, b, c = make_dbs(3)
+    old, new = {"a": a, "b": b}, {"a": a, "b": b, "c": c}
+    name = moving_name(old, new)
+    o, _, _ = configs(old, new)
+    role = f"pglock_attack_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(psql.SQL("CREATE ROLE {} LOGIN").format(psql.Identifier(role)))
+    try:
+        operator(clean_env, old).init()
+        with AdvisoryLock(name, config=o) as held:
+            assert held.acquired
+            where = held.config.require_dsn()
+            before = operator(clean_env, new, old).accepted()
+            as_role = {s: make_conninfo(d, user=role) for s, d in new.items()}
+            previous = {s: as_role[s] for s in old}
+            with pytest.raises(RolloutRefused, match="pg_read_all_stats"):
+                operator(clean_env, as_role, previous).begin()
+            assert operator(clean_env, new, old).accepted() == before
+            with psycopg.connect(where, autocommit=True) as conn:
+                rows = conn.execute(
+                    "SELECT count(*) FROM public.pglock_shard_sessions WHERE pid = %s",
+                    (held.connection.info.backend_pid,),
+                ).fetchone()
+            assert rows == (1,), "a live session's row was taken for gone"
+    finally:
+        registry.close()
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(psql.SQL("DROP ROLE IF EXISTS {}").format(psql.Identifier(role)))
