@@ -22,7 +22,7 @@ A map is known by its shards' names, the parameters of each DSN that choose its
 database (``service``, ``host``, ``port``, ``dbname``..., never a password) and its
 rule's name (:class:`MapIdentity`): the transition's identity is the pair,
 ``previous>new``. Two DSNs of one database are one shard to the transition: its
-sessions note which database each DSN reached (:func:`learn_database`).
+sessions note which database each DSN reached (:func:`known_database`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ __all__ = [
     "RolloutRefused",
     "enter",
     "known_database",
-    "learn_database",
     "map_identity",
 ]
 
@@ -96,41 +95,48 @@ def map_identity(
     return MapIdentity(steady, None if previous is None else _digest(previous, None, rule))
 
 
-def enter(
-    conn: psycopg.Connection[Any], identity: MapIdentity, where: str, *, refusable: bool = True
-) -> None:
-    """Record that this lock session came with ``identity`` and, if ``refusable``, check
-    that its map is accepted here; LockUnavailable (saying why) if not. Only where the
-    record exists."""
-    conn.execute(sql.ENTER_MAP, (identity.name,))
-    if not refusable:
-        return
-    # A statement of its own: its snapshot is taken after the record above committed,
-    # so a finish that stopped accepting this map either is seen here or sees this.
-    row = conn.execute(sql.MAP_ACCEPTED, (identity.name,)).fetchone()
-    assert row is not None
-    accepted, maps = row
-    if not accepted:
-        raise LockUnavailable(
-            f"the shard map {identity.name} of this worker is not accepted on {where} "
-            f"(it accepts {maps or 'none'}): a change of pglock_shards is under way "
-            "(pglock-celery shards status says which step)"
-        )
-
-
 #: DSN -> the database it reached (database_of), as the lock sessions of a transition
 #: last found it: whether a name's previous shard and its new one are one database.
 _databases: dict[str, str] = {}
 
 
-def learn_database(conn: psycopg.Connection[Any], dsn: str) -> None:
-    """Note which database a transition's lock session on ``dsn`` reached."""
-    _databases[dsn] = database_of(conn)
-
-
 def known_database(dsn: str) -> str | None:
     """The database a transition's lock session on ``dsn`` last reached, if one opened."""
     return _databases.get(dsn)
+
+
+def enter(
+    conn: psycopg.Connection[Any],
+    identity: MapIdentity,
+    where: str,
+    dsn: str,
+    *,
+    refusable: bool = True,
+) -> None:
+    """Record that this lock session came with ``identity`` and, if ``refusable``, check
+    that its map is accepted here; LockUnavailable (saying why) if not. A transition's
+    session also notes which database ``dsn`` reached (:func:`known_database`). Only
+    where the record exists."""
+    conn.execute(sql.ENTER_MAP, (identity.name,))
+    if not (refusable or identity.transition):
+        return
+    # A statement of its own: its snapshot is taken after the record above committed,
+    # so a finish that stopped accepting this map either is seen here or sees this.
+    if identity.transition:
+        row = conn.execute(sql.MAP_ACCEPTED_WHERE, (identity.name,)).fetchone()
+        assert row is not None
+        accepted, maps, database = row
+        _databases[dsn] = str(database)
+    else:
+        row = conn.execute(sql.MAP_ACCEPTED, (identity.name,)).fetchone()
+        assert row is not None
+        accepted, maps = row
+    if refusable and not accepted:
+        raise LockUnavailable(
+            f"the shard map {identity.name} of this worker is not accepted on {where} "
+            f"(it accepts {maps or 'none'}): a change of pglock_shards is under way "
+            "(pglock-celery shards status says which step)"
+        )
 
 
 def _recorded(conn: psycopg.Connection[Any]) -> bool:

@@ -55,7 +55,7 @@ from .handles import (
     green_wait,
 )
 from .leader import ServerIdentity
-from .rollout import enter, learn_database
+from .rollout import enter
 
 #: Postgres truncates application_name to NAMEDATALEN - 1 bytes.
 APPLICATION_NAME_MAX_BYTES = 63
@@ -321,9 +321,7 @@ def _enter_map(
     if identity is None:
         return
     if recorded:
-        enter(conn, identity, where, refusable=refusable)
-        if identity.transition:
-            learn_database(conn, config.require_dsn())
+        enter(conn, identity, where, config.require_dsn(), refusable=refusable)
     elif identity.transition and refusable:
         raise LockUnavailable(
             f"this worker runs a change of pglock_shards (pglock_shards_previous is set), "

@@ -288,22 +288,31 @@ ENTER_MAP = (
     b" ON CONFLICT (pid) DO UPDATE"
     b" SET backend_start = excluded.backend_start, map = excluded.map"
 )
+#: Which database this is: the cluster's system identifier (the same on each of its
+#: servers) where this role may read it, else the running server's start, with the
+#: database's oid. Two DSNs that give the same text reach one database.
+_DATABASE = (
+    b"(SELECT coalesce(CASE WHEN pg_catalog.has_function_privilege("
+    b"'pg_catalog.pg_control_system()', 'EXECUTE') THEN (SELECT 'cluster '"
+    b" || s.system_identifier::pg_catalog.text FROM pg_catalog.pg_control_system() AS s) END,"
+    b" 'server ' || pg_catalog.pg_postmaster_start_time()::pg_catalog.text)"
+    b" || ' database ' || d.oid::pg_catalog.text"
+    b" FROM pg_catalog.pg_database AS d WHERE d.datname = pg_catalog.current_database())"
+)
+DATABASE_OF = b"SELECT " + _DATABASE
 #: Whether the map %s is accepted here, and the maps that are.
 MAP_ACCEPTED = (
     b"SELECT coalesce(bool_or(map = %s), false),"
     b" coalesce(string_agg(map, ', ' ORDER BY map), '')"
     b" FROM public.pglock_shard_maps"
 )
-#: Which database this is: the cluster's system identifier (the same on each of its
-#: servers) where this role may read it, else the running server's start, with the
-#: database's oid. Two DSNs that give the same text reach one database.
-DATABASE_OF = (
-    b"SELECT coalesce(CASE WHEN pg_catalog.has_function_privilege("
-    b"'pg_catalog.pg_control_system()', 'EXECUTE') THEN (SELECT 'cluster '"
-    b" || s.system_identifier::pg_catalog.text FROM pg_catalog.pg_control_system() AS s) END,"
-    b" 'server ' || pg_catalog.pg_postmaster_start_time()::pg_catalog.text)"
-    b" || ' database ' || d.oid::pg_catalog.text"
-    b" FROM pg_catalog.pg_database AS d WHERE d.datname = pg_catalog.current_database()"
+#: The same, and which database this is (a transition's session: two DSNs of one
+#: database are one shard to it).
+MAP_ACCEPTED_WHERE = (
+    b"SELECT coalesce(bool_or(map = %s), false),"
+    b" coalesce(string_agg(map, ', ' ORDER BY map), ''), "
+    + _DATABASE
+    + b" FROM public.pglock_shard_maps"
 )
 #: The record, made by the operator's command (``pglock-celery shards``); every lock
 #: session may record itself and read which maps are accepted.
