@@ -281,16 +281,28 @@ def test_idle_session_timeout_on_the_server_does_not_cut_a_lock_session(
     with psycopg.connect(chaos.dsn, autocommit=True) as admin:
         admin.execute("ALTER SYSTEM SET idle_session_timeout = '1s'")
         admin.execute("SELECT pg_reload_conf()")
+    plain: psycopg.Connection | None = None
     try:
-        plain = psycopg.connect(chaos.dsn, autocommit=True)
+        # The reload reaches new sessions once the postmaster has read it: a session
+        # that shows the timeout in force is the ordinary one the scenario needs.
+        deadline = time.monotonic() + 30
+        while True:
+            plain = psycopg.connect(chaos.dsn, autocommit=True)
+            shown = plain.execute("SHOW idle_session_timeout").fetchone()
+            if shown == ("1s",):
+                break
+            plain.close()
+            assert time.monotonic() < deadline, f"the reload never took: {shown}"
+            time.sleep(0.05)
         with try_lock(f"idle:{run_id}", dsn=chaos.dsn) as lock:
             assert lock.acquired
             time.sleep(2.5)  # the scenario itself: idle for longer than the timeout
             assert lock.held()
             with pytest.raises(psycopg.OperationalError):
                 plain.execute("SELECT 1")  # an ordinary session was cut off meanwhile
-        plain.close()
     finally:
+        if plain is not None:
+            plain.close()
         with psycopg.connect(chaos.dsn, autocommit=True) as admin:
             admin.execute("ALTER SYSTEM RESET idle_session_timeout")
             admin.execute("SELECT pg_reload_conf()")
