@@ -317,7 +317,11 @@ class Rollout:
             for shard, dsn in self.shards:
                 conn = stack.enter_context(self.connect(dsn))
                 self._sees_every_session(shard, conn)  # refused before anything is written
-                found.setdefault(database_of(conn), (shard, conn))
+                where = database_of(conn)
+                if where in found:
+                    conn.close()  # a second DSN of a database already in the step
+                else:
+                    found[where] = (shard, conn)
             databases = [found[where] for where in sorted(found)]
             for shard, conn in databases:
                 if _recorded(conn):
