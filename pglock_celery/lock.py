@@ -226,16 +226,28 @@ class AdvisoryLock:
         started = time.monotonic()
         if not previous.acquire():
             return False
-        left = self._timeout
-        if left is not None:
-            left = max(0.0, left - (time.monotonic() - started))
-        granted = False
+
+        def left() -> float | None:
+            spent = time.monotonic() - started
+            return None if self._timeout is None else max(0.0, self._timeout - spent)
+
+        granted = alone = False
         try:
-            granted = self._acquire_here(left)
+            # Tried before any wait: the lock in the way may be this one's own on its
+            # previous shard, both DSNs found (as their sessions opened just now, after
+            # a failover say) to reach one database. Then it is taken there alone.
+            granted = self._acquire_here(left(), wait=False)
+            if not granted:
+                alone = _one_database(previous.config, self.config)
+                if not alone and self._wait:
+                    granted = self._acquire_here(left())
         finally:
             if not granted:
                 with contextlib.suppress(PglockError):
                     previous.release()
+        if alone:
+            self._previous = None
+            return self._acquire_here(left())
         if granted and previous.loss is not None:  # lost while this one was taken: no lock
             with contextlib.suppress(PglockError):
                 self.release(reusable=False)
@@ -250,17 +262,17 @@ class AdvisoryLock:
         elif self._on_lost is not None:
             self._on_lost(hold, loss)
 
-    def _acquire_here(self, timeout: float | None) -> bool:
+    def _acquire_here(self, timeout: float | None, wait: bool | None = None) -> bool:
         try:
             with library_code():
-                return self._acquire(timeout)
+                return self._acquire(timeout, self._wait if wait is None else wait)
         except LockLost:
             if self._hold is not None and self._hold.granted:
                 with contextlib.suppress(PglockError):
                     self.release(reusable=False)
             raise
 
-    def _acquire(self, timeout: float | None) -> bool:
+    def _acquire(self, timeout: float | None, wait: bool) -> bool:
         if self._hold is not None:
             if self._hold.granted:
                 raise RuntimeError(f"lock {self.label} is already held by this object")
@@ -278,7 +290,7 @@ class AdvisoryLock:
             config=self.config,
             on_lost=self._on_lost,
         )
-        granted = source.acquire(hold, wait=self._wait, timeout=timeout)
+        granted = source.acquire(hold, wait=wait, timeout=timeout)
         if granted and source.fence is not None:
             loss = source.leader_problem(hold.session)
             if loss is not None:  # a lock on a server that may not lead is no lock

@@ -27,6 +27,7 @@ sessions note which database each DSN reached (:func:`known_database`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -38,7 +39,7 @@ from typing import Any
 import psycopg
 
 from . import sql
-from .dsn import database_parameters
+from .dsn import database_parameters, describe_target
 from .exceptions import LockUnavailable, PglockError
 from .shards import DEFAULT, Rule, Shard
 
@@ -139,6 +140,21 @@ def enter(
         )
 
 
+def _labelled(shards: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``shards`` with each shard name that is there more than once told apart by its
+    database (``a [host:port/db]``), so what one step reads of each is never merged."""
+    counts = collections.Counter(name for name, _ in shards)
+    labelled = [
+        (name if counts[name] == 1 else f"{name} [{describe_target(dsn)}]", dsn)
+        for name, dsn in shards
+    ]
+    again = collections.Counter(label for label, _ in labelled)
+    return [
+        (label if again[label] == 1 else f"{label} #{i}", dsn)
+        for i, (label, dsn) in enumerate(labelled, 1)
+    ]
+
+
 def _recorded(conn: psycopg.Connection[Any]) -> bool:
     row = conn.execute(sql.SHARD_RECORD_EXISTS).fetchone()
     return bool(row and row[0])
@@ -176,12 +192,14 @@ class Rollout:
     """The operator's side of a change of the shards, over every database of both maps.
 
     ``shards``: every shard database concerned, name and DSN (the union of the old and
-    the new map); ``identity``: the map of the configuration the operator runs it
-    with; ``connect``: how to open an inspection session on a DSN. Each step refuses
-    (RolloutRefused) a record that is not of this change, and never accepts a map
-    while a session of one it excludes may still be connected. A step reads and writes
-    the record of every database under that record's write lock, so two steps (two
-    operators, a deploy script) run one after the other, each on what the other left.
+    the new map; a shard moved to another database is there twice, each told apart by
+    its database in what the steps say); ``identity``: the map of the configuration the
+    operator runs it with; ``connect``: how to open an inspection session on a DSN.
+    Each step refuses (RolloutRefused) a record that is not of this change, and never
+    accepts a map while a session of one it excludes may still be connected. A step
+    reads and writes the record of every database under that record's write lock, so
+    two steps (two operators, a deploy script) run one after the other, each on what
+    the other left.
     """
 
     def __init__(
@@ -190,7 +208,7 @@ class Rollout:
         identity: MapIdentity,
         connect: Connect,
     ) -> None:
-        self.shards = shards
+        self.shards = _labelled(shards)
         self.identity = identity
         self.connect = connect
 
@@ -221,6 +239,15 @@ class Rollout:
         allowed = {old, transition, f"{self.identity.steady}>{old}"}
         with self._step() as databases:
             self._refuse_unless(allowed, "begin", self._read(databases))
+            # The old map beside sessions of the new one would let both hold a name (going
+            # back from a change whose finish still waits for the old map's workers).
+            ahead = self._left(databases, {*allowed, ""})
+            if ahead:
+                raise RolloutRefused(
+                    f"cannot begin: {describe(ahead)}, a map that this change's old map "
+                    "must never run beside. If a change the other way is under way, take "
+                    "it back with its own `begin` (or finish it) first; nothing written"
+                )
             self._write(databases, [old, transition])
         return self._recorded_apart_from(allowed)
 
@@ -328,8 +355,9 @@ class Rollout:
                     conn.execute(sql.PRUNE_SHARD_SESSIONS)
                 stack.enter_context(conn.transaction())
                 conn.execute(sql.SET_STEP_LOCK_WAIT, (STEP_LOCK_WAIT,))
-                for statement in sql.CREATE_SHARD_RECORD:
-                    conn.execute(statement)
+                if not _recorded(conn):
+                    for statement in sql.CREATE_SHARD_RECORD:
+                        conn.execute(statement)
                 try:
                     conn.execute(sql.LOCK_SHARD_MAPS)
                 except psycopg.errors.LockNotAvailable:

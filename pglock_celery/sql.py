@@ -288,14 +288,12 @@ ENTER_MAP = (
     b" ON CONFLICT (pid) DO UPDATE"
     b" SET backend_start = excluded.backend_start, map = excluded.map"
 )
-#: Which database this is: the cluster's system identifier (the same on each of its
-#: servers) where this role may read it, else the running server's start, with the
-#: database's oid. Two DSNs that give the same text reach one database.
+#: Which database of which running server this is (the server's start, the database's
+#: oid): advisory locks live in one server's memory, so two servers of one cluster
+#: (a promoted standby, a clone) are two, and two DSNs that give the same text reach
+#: one lock table.
 _DATABASE = (
-    b"(SELECT coalesce(CASE WHEN pg_catalog.has_function_privilege("
-    b"'pg_catalog.pg_control_system()', 'EXECUTE') THEN (SELECT 'cluster '"
-    b" || s.system_identifier::pg_catalog.text FROM pg_catalog.pg_control_system() AS s) END,"
-    b" 'server ' || pg_catalog.pg_postmaster_start_time()::pg_catalog.text)"
+    b"(SELECT 'server ' || pg_catalog.pg_postmaster_start_time()::pg_catalog.text"
     b" || ' database ' || d.oid::pg_catalog.text"
     b" FROM pg_catalog.pg_database AS d WHERE d.datname = pg_catalog.current_database())"
 )
@@ -314,8 +312,8 @@ MAP_ACCEPTED_WHERE = (
     + _DATABASE
     + b" FROM public.pglock_shard_maps"
 )
-#: The record, made by the operator's command (``pglock-celery shards``); every lock
-#: session may record itself and read which maps are accepted.
+#: The record, made by the operator's command (``pglock-celery shards``) where it is
+#: missing; every lock session may record itself and read which maps are accepted.
 CREATE_SHARD_RECORD = (
     b"CREATE TABLE IF NOT EXISTS public.pglock_shard_maps"
     b" (map text PRIMARY KEY, since timestamptz NOT NULL DEFAULT pg_catalog.now())",
@@ -323,6 +321,18 @@ CREATE_SHARD_RECORD = (
     b" (pid integer PRIMARY KEY, backend_start timestamptz NOT NULL, map text NOT NULL)",
     b"GRANT SELECT ON public.pglock_shard_maps TO PUBLIC",
     b"GRANT SELECT, INSERT, UPDATE ON public.pglock_shard_sessions TO PUBLIC",
+    # A session writes its own row alone (its pid: a gone session's row is replaced),
+    # whoever owns the table; a row is deleted only once its session is gone.
+    b"ALTER TABLE public.pglock_shard_sessions ENABLE ROW LEVEL SECURITY",
+    b"ALTER TABLE public.pglock_shard_sessions FORCE ROW LEVEL SECURITY",
+    b"CREATE POLICY pglock_read ON public.pglock_shard_sessions FOR SELECT USING (true)",
+    b"CREATE POLICY pglock_enter ON public.pglock_shard_sessions FOR INSERT"
+    b" WITH CHECK (pid = pg_catalog.pg_backend_pid())",
+    b"CREATE POLICY pglock_reenter ON public.pglock_shard_sessions FOR UPDATE"
+    b" USING (pid = pg_catalog.pg_backend_pid()) WITH CHECK (pid = pg_catalog.pg_backend_pid())",
+    b"CREATE POLICY pglock_prune ON public.pglock_shard_sessions FOR DELETE USING (NOT EXISTS"
+    b" (SELECT FROM pg_catalog.pg_stat_activity AS a WHERE a.pid = pglock_shard_sessions.pid"
+    b" AND (a.backend_start = pglock_shard_sessions.backend_start OR a.backend_start IS NULL)))",
 )
 #: A gone session's row is never in the way, but need not stay either (run on its own,
 #: never inside a step's transaction: a session opening meanwhile never waits for it).

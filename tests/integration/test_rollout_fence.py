@@ -435,3 +435,58 @@ def test_a_step_by_a_role_that_cannot_see_every_session_writes_nothing(
         registry.close()
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(psql.SQL("DROP ROLE IF EXISTS {}").format(psql.Identifier(role)))
+
+
+def test_no_role_rewrites_or_deletes_another_live_sessions_record_not_even_its_owner(
+    make_dbs: Callable[[int], list[str]], clean_env: pytest.MonkeyPatch, pg_dsn: str
+) -> None:
+    """A session that relabelled another's map (or deleted its row) would hide it from
+    finish: rows are a session's own to write, and deleted only once it is gone."""
+    a, b = make_dbs(2)
+    old = {"a": a, "b": b}
+    o = PglockConfig(shards=parse_shards(old), application_name="pglock-old")
+    role = f"pglock_attack_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(psql.SQL("CREATE ROLE {} LOGIN").format(psql.Identifier(role)))
+    try:
+        operator(clean_env, old).init()
+        with AdvisoryLock("tenant:kept", config=o) as held:
+            assert held.acquired
+            where, pid = held.config.require_dsn(), held.connection.info.backend_pid
+            with psycopg.connect(where, autocommit=True) as conn:
+                conn.execute(
+                    psql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(psql.Identifier(role))
+                )
+            as_role = make_conninfo(where, user=role)
+
+            def tamper() -> list[tuple[object, ...]]:
+                with psycopg.connect(as_role, autocommit=True) as conn:
+                    conn.execute(
+                        "UPDATE public.pglock_shard_sessions SET map = 'hidden' WHERE pid = %s",
+                        (pid,),
+                    )
+                    with contextlib.suppress(psycopg.errors.InsufficientPrivilege):
+                        conn.execute(
+                            "DELETE FROM public.pglock_shard_sessions WHERE pid = %s", (pid,)
+                        )
+                with psycopg.connect(where, autocommit=True) as conn:
+                    return conn.execute(
+                        "SELECT map FROM public.pglock_shard_sessions WHERE pid = %s", (pid,)
+                    ).fetchall()
+
+            recorded = [(o.map_identity.name,)] if o.map_identity else []
+            assert tamper() == recorded, "another role rewrote a live session's record"
+            with psycopg.connect(where, autocommit=True) as conn:
+                conn.execute(
+                    psql.SQL("ALTER TABLE public.pglock_shard_sessions OWNER TO {}").format(
+                        psql.Identifier(role)
+                    )
+                )
+            assert tamper() == recorded, "the table's owner rewrote a live session's record"
+    finally:
+        registry.close()
+        for dsn in (a, b):
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(psql.SQL("DROP OWNED BY {}").format(psql.Identifier(role)))
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(psql.SQL("DROP ROLE IF EXISTS {}").format(psql.Identifier(role)))
