@@ -276,7 +276,7 @@ class AdvisoryLock:
         if self._hold is not None:
             if self._hold.granted:
                 raise RuntimeError(f"lock {self.label} is already held by this object")
-            self.release()  # a refused try's session goes back first
+            self._release(True)  # a refused try's session goes back first (this shard's alone)
         monitor = registry.monitor
         if monitor.abandoned:
             monitor.free_abandoned()

@@ -218,7 +218,7 @@ class Rollout:
         connected meanwhile (let in before: stop those workers)."""
         assert not self.identity.transition
         steady = self.identity.name
-        with self._step() as databases:
+        with self._step(before=steady) as databases:
             self._refuse_unless({steady}, "initialise it for", self._read(databases))
             self._write(databases, [steady])
         return self._recorded_apart_from({steady})
@@ -237,16 +237,20 @@ class Rollout:
                 "environment) cannot be fenced: name it in the DSN (another service name)"
             )
         allowed = {old, transition, f"{self.identity.steady}>{old}"}
-        with self._step() as databases:
+        with self._step(before=old) as databases:
             self._refuse_unless(allowed, "begin", self._read(databases))
-            # The old map beside sessions of the new one would let both hold a name (going
-            # back from a change whose finish still waits for the old map's workers).
-            ahead = self._left(databases, {*allowed, ""})
+            # Only the old map's and the transition's sessions may be connected: the old
+            # map beside the new one's would let both hold a name (going back from a
+            # change whose finish still waits for the old map's workers), and the two
+            # transitions take their two locks in opposite orders. A session that
+            # recorded no map may be of any.
+            ahead = self._left(databases, {old, transition})
             if ahead:
                 raise RolloutRefused(
-                    f"cannot begin: {describe(ahead)}, a map that this change's old map "
-                    "must never run beside. If a change the other way is under way, take "
-                    "it back with its own `begin` (or finish it) first; nothing written"
+                    f"cannot begin: {describe(ahead)}, beside which this change's old map "
+                    "and transition may not run. If a change the other way is under way, "
+                    "take it back with its own `begin`, or finish it and roll its workers "
+                    "to its new map alone, first; nothing written"
                 )
             self._write(databases, [old, transition])
         return self._recorded_apart_from(allowed)
@@ -333,12 +337,15 @@ class Rollout:
         }
 
     @contextlib.contextmanager
-    def _step(self) -> Iterator[list[tuple[str, psycopg.Connection[Any]]]]:
+    def _step(
+        self, before: str | None = None
+    ) -> Iterator[list[tuple[str, psycopg.Connection[Any]]]]:
         """Every database of the shards once (two DSNs of one database are one), each in
         a transaction that holds its record's write lock, taken in one order (the
         databases' own identities) by every step so none waits for another in a
-        circle. The record is created where it is missing; nothing is written unless
-        the step ends without an error."""
+        circle. The record is created where it is missing, its lock sessions connected
+        until then recorded with the map ``before`` (the one that ran before any
+        record); nothing is written unless the step ends without an error."""
         with contextlib.ExitStack() as stack:
             found: dict[str, tuple[str, psycopg.Connection[Any]]] = {}
             for shard, dsn in self.shards:
@@ -357,6 +364,10 @@ class Rollout:
                 conn.execute(sql.SET_STEP_LOCK_WAIT, (STEP_LOCK_WAIT,))
                 if not _recorded(conn):
                     for statement in sql.CREATE_SHARD_RECORD:
+                        conn.execute(statement)
+                    if before is not None:
+                        conn.execute(sql.ADOPT_SESSIONS, (before,))
+                    for statement in sql.SHARD_RECORD_SECURITY:
                         conn.execute(statement)
                 try:
                     conn.execute(sql.LOCK_SHARD_MAPS)

@@ -288,13 +288,13 @@ ENTER_MAP = (
     b" ON CONFLICT (pid) DO UPDATE"
     b" SET backend_start = excluded.backend_start, map = excluded.map"
 )
-#: Which database of which running server this is (the server's start, the database's
-#: oid): advisory locks live in one server's memory, so two servers of one cluster
-#: (a promoted standby, a clone) are two, and two DSNs that give the same text reach
-#: one lock table.
+#: Which database of which running server this is (the server's start in microseconds,
+#: never a text that a session's TimeZone changes, and the database's oid): advisory
+#: locks live in one server's memory, so two servers of one cluster (a promoted
+#: standby, a clone) are two, and two DSNs that give the same text reach one lock table.
 _DATABASE = (
-    b"(SELECT 'server ' || pg_catalog.pg_postmaster_start_time()::pg_catalog.text"
-    b" || ' database ' || d.oid::pg_catalog.text"
+    b"(SELECT 'server ' || (EXTRACT(epoch FROM pg_catalog.pg_postmaster_start_time())"
+    b" * 1000000)::pg_catalog.int8::pg_catalog.text || ' database ' || d.oid::pg_catalog.text"
     b" FROM pg_catalog.pg_database AS d WHERE d.datname = pg_catalog.current_database())"
 )
 DATABASE_OF = b"SELECT " + _DATABASE
@@ -312,6 +312,25 @@ MAP_ACCEPTED_WHERE = (
     + _DATABASE
     + b" FROM public.pglock_shard_maps"
 )
+#: A session that recorded no map is taken for a lock session (of any prefix) by its
+#: name as the library writes it (``prefix|pid...``, ``prefix-idle|pid``), or by an
+#: advisory lock of the library's kind (one bigint key) that it holds or waits for: a
+#: holder that renamed its session still holds its lock.
+_UNRECORDED_LOCK_SESSION = (
+    b"(a.application_name ~ '^[^|]+[|][0-9]+([.][0-9a-f]+)?([|]|$)'"
+    b" OR a.pid IN (SELECT l.pid FROM pg_catalog.pg_locks AS l"
+    b" WHERE l.locktype = 'advisory' AND l.objsubid = 1))"
+)
+#: As the record is made: the lock sessions connected before it (known as
+#: _UNRECORDED_LOCK_SESSION says) are recorded with the map that ran before it (%s: the
+#: steady map of `init`, the old map of a `begin`), so that no step takes them for none.
+ADOPT_SESSIONS = (
+    b"INSERT INTO public.pglock_shard_sessions (pid, backend_start, map)"
+    b" SELECT a.pid, a.backend_start, %s FROM pg_catalog.pg_stat_activity AS a"
+    b" WHERE a.pid <> pg_catalog.pg_backend_pid() AND a.backend_type = 'client backend'"
+    b" AND a.datname = pg_catalog.current_database() AND a.backend_start IS NOT NULL"
+    b" AND " + _UNRECORDED_LOCK_SESSION + b" ON CONFLICT (pid) DO NOTHING"
+)
 #: The record, made by the operator's command (``pglock-celery shards``) where it is
 #: missing; every lock session may record itself and read which maps are accepted.
 CREATE_SHARD_RECORD = (
@@ -321,8 +340,11 @@ CREATE_SHARD_RECORD = (
     b" (pid integer PRIMARY KEY, backend_start timestamptz NOT NULL, map text NOT NULL)",
     b"GRANT SELECT ON public.pglock_shard_maps TO PUBLIC",
     b"GRANT SELECT, INSERT, UPDATE ON public.pglock_shard_sessions TO PUBLIC",
-    # A session writes its own row alone (its pid: a gone session's row is replaced),
-    # whoever owns the table; a row is deleted only once its session is gone.
+)
+#: Then (after ADOPT_SESSIONS): a session writes its own row alone (its pid: a gone
+#: session's row is replaced), whoever owns the table; a row is deleted only once its
+#: session is gone.
+SHARD_RECORD_SECURITY = (
     b"ALTER TABLE public.pglock_shard_sessions ENABLE ROW LEVEL SECURITY",
     b"ALTER TABLE public.pglock_shard_sessions FORCE ROW LEVEL SECURITY",
     b"CREATE POLICY pglock_read ON public.pglock_shard_sessions FOR SELECT USING (true)",
@@ -353,15 +375,6 @@ LOCK_SHARD_MAPS = b"LOCK TABLE public.pglock_shard_maps IN EXCLUSIVE MODE"
 ACCEPT_ONLY = b"DELETE FROM public.pglock_shard_maps WHERE map <> ALL (%s::text[])"
 ACCEPT_MAP = b"INSERT INTO public.pglock_shard_maps (map) VALUES (%s) ON CONFLICT DO NOTHING"
 ACCEPTED_MAPS = b"SELECT map FROM public.pglock_shard_maps ORDER BY map"
-#: A session that recorded no map is taken for a lock session (of any prefix) by its
-#: name as the library writes it (``prefix|pid...``, ``prefix-idle|pid``), or by an
-#: advisory lock of the library's kind (one bigint key) that it holds or waits for: a
-#: holder that renamed its session still holds its lock.
-_UNRECORDED_LOCK_SESSION = (
-    b"(a.application_name ~ '^[^|]+[|][0-9]+([.][0-9a-f]+)?([|]|$)'"
-    b" OR a.pid IN (SELECT l.pid FROM pg_catalog.pg_locks AS l"
-    b" WHERE l.locktype = 'advisory' AND l.objsubid = 1))"
-)
 #: The live lock sessions with the map each recorded ('' for none): recorded ones,
 #: and those that recorded none but are lock sessions all the same.
 CONNECTED_SESSIONS = (
