@@ -208,6 +208,10 @@ class EmbeddedPostgres:
             check=False,
         )  # fmt: skip
 
+    def reload(self) -> None:
+        """Have the server read its configuration files again (reachable first)."""
+        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "reload")
+
     def restart(self, mode: str = "fast") -> None:
         self.stop(mode)
         self.start()

@@ -280,13 +280,14 @@ def test_idle_session_timeout_on_the_server_does_not_cut_a_lock_session(
 ) -> None:
     with psycopg.connect(chaos.dsn, autocommit=True) as admin:
         admin.execute("ALTER SYSTEM SET idle_session_timeout = '1s'")
-        admin.execute("SELECT pg_reload_conf()")
     plain: psycopg.Connection | None = None
     try:
-        # The reload reaches new sessions once the postmaster has read it: a session
-        # that shows the timeout in force is the ordinary one the scenario needs.
+        # The reload reaches new sessions once the postmaster has read it (its files
+        # reachable: another pytest process may have closed its tmp root meanwhile): a
+        # session that shows the timeout in force is the ordinary one the scenario needs.
         deadline = time.monotonic() + 30
         while True:
+            chaos.pg.reload()
             plain = psycopg.connect(chaos.dsn, autocommit=True)
             shown = plain.execute("SHOW idle_session_timeout").fetchone()
             if shown == ("1s",):
@@ -305,7 +306,7 @@ def test_idle_session_timeout_on_the_server_does_not_cut_a_lock_session(
             plain.close()
         with psycopg.connect(chaos.dsn, autocommit=True) as admin:
             admin.execute("ALTER SYSTEM RESET idle_session_timeout")
-            admin.execute("SELECT pg_reload_conf()")
+        chaos.pg.reload()
     print("\nidle_session_timeout = 1s: the lock session stayed 2.5 s idle and kept its lock")
 
 
