@@ -132,6 +132,9 @@ class AdvisoryLock:
                 name_or_key, config=previous, wait=wait, timeout=timeout, task_id=task_id,
                 on_lost=self._previous_lost,
             )  # fmt: skip
+        #: Whether the last acquire of a moving name was refused on its previous shard
+        #: (holder() then asks there).
+        self._refused_before = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
         # The thread (and greenlet) that acquired it: the only one that runs its body.
         self._owner: tuple[int, int] | None = None
@@ -216,6 +219,7 @@ class AdvisoryLock:
         this acquire is over, and a lock it took is let go first (nothing of it
         stays held).
         """
+        self._refused_before = False
         previous = self._previous
         if previous is not None and _one_database(previous.config, self.config):
             # Two DSNs of one database: its one lock there excludes either map.
@@ -225,6 +229,7 @@ class AdvisoryLock:
         # A moving name: its previous shard first, always (one order for every worker).
         started = time.monotonic()
         if not previous.acquire():
+            self._refused_before = True
             return False
 
         def left() -> float | None:
@@ -259,7 +264,11 @@ class AdvisoryLock:
         own = self._hold
         if own is not None and own.granted and not own.ended and own.lost is None:
             own.mark_lost(Loss(loss.kind, f"on its previous shard: {loss.detail}"))
-        elif self._on_lost is not None:
+            return
+        if own is None and self._released_loss is None:
+            # Found as the lock was let go (its own shard's half first): still its loss.
+            self._released_loss = Loss(loss.kind, f"on its previous shard: {loss.detail}")
+        if self._on_lost is not None:
             self._on_lost(hold, loss)
 
     def _acquire_here(self, timeout: float | None, wait: bool | None = None) -> bool:
@@ -313,6 +322,8 @@ class AdvisoryLock:
         the server); only when no library holder names it (a hand-rolled holder, a
         shared session), by its key in pg_locks. None when nobody holds it.
         """
+        if self._refused_before and self._previous is not None:
+            return self._previous.holder()  # a moving name refused on its previous shard
         hold = self._hold
         return self._source.holder(hold) if hold is not None else None
 
@@ -417,7 +428,21 @@ class AdvisoryLock:
         """
         with library_code():
             hold = self._held_here("no transaction without it")
-            return self._source.transaction(hold)
+            if self._previous is None:
+                return self._source.transaction(hold)
+            # A moving name: its previous shard's lock too, proven at the start and
+            # again just before the commit (its own server cannot pin it).
+            self._ensure_previous_held()
+            return self._source.transaction(hold, self._ensure_previous_held)
+
+    def _ensure_previous_held(self) -> None:
+        """LockLost unless a moving name's lock on its previous shard is still held (a
+        loss found there is this lock's, handled whole first)."""
+        previous = self._previous
+        if previous is not None and not previous.held():
+            loss = self.loss or previous.loss
+            detail = loss.detail if loss is not None else "no longer held"
+            raise LockLost(f"lock {self.label} was lost on its previous shard: {detail}")
 
     def __enter__(self) -> AdvisoryLock:
         self.acquire()

@@ -14,9 +14,11 @@ own, so after the record is committed) reads whether its map is accepted: refuse
 is closed and the lock fails closed (LockUnavailable). The operator's ``finish`` first
 accepts only the transition, then waits until no session of another map is connected
 (each one accepted before is recorded before it read, so it is seen), and only then
-accepts the new map. A shard without the record accepts every map, as before any
-rollout: a transition worker refuses to run there (``pglock-celery shards begin``
-first).
+accepts the new map. Each step reads and writes the record under its write lock (one
+step at a time), and the step that makes it records the lock sessions connected until
+then with the map that ran before it. A shard without the record accepts every map, as
+before any rollout: a transition worker refuses to run there (``pglock-celery shards
+begin`` first).
 
 A map is known by its shards' names, the parameters of each DSN that choose its
 database (``service``, ``host``, ``port``, ``dbname``..., never a password) and its

@@ -299,8 +299,11 @@ class Source(abc.ABC):
         """The holder's own connection on its session (a new handle when needed)."""
 
     @abc.abstractmethod
-    def transaction(self, hold: Hold) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
-        """A connection inside a transaction that can commit only while the lock is held."""
+    def transaction(
+        self, hold: Hold, also_held: Callable[[], None] | None = None
+    ) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
+        """A connection inside a transaction that can commit only while the lock is held
+        (and ``also_held``, called just before the commit, raises no LockLost)."""
 
     @abc.abstractmethod
     def end_use(self, hold: Hold, loss: Loss) -> None:

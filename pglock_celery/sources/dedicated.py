@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -282,8 +283,15 @@ class DedicatedSource(Source):
                 hold.handle = session.handle()
             return hold.handle
 
-    def transaction(self, hold: Hold) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
-        return fenced_transaction(hold, self.connection(hold), lambda: self.before_commit(hold))
+    def transaction(
+        self, hold: Hold, also_held: Callable[[], None] | None = None
+    ) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
+        def before_commit() -> None:
+            if also_held is not None:
+                also_held()
+            self.before_commit(hold)
+
+        return fenced_transaction(hold, self.connection(hold), before_commit)
 
     def end_use(self, hold: Hold, loss: Loss) -> None:
         """Cut the session: it is the holder's alone, and no statement of its may follow.

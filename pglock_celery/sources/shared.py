@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -222,7 +223,9 @@ class SharedSource(Source):
     def connection(self, hold: Hold) -> psycopg.Connection[Any]:
         raise _no_sql_here(hold, "lock.connection")
 
-    def transaction(self, hold: Hold) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
+    def transaction(
+        self, hold: Hold, also_held: Callable[[], None] | None = None
+    ) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
         raise _no_sql_here(hold, "lock.transaction()")
 
     def _let_go(self, session: LockSession, key: bytes) -> None:
