@@ -209,7 +209,10 @@ class EmbeddedPostgres:
         )  # fmt: skip
 
     def reload(self) -> None:
-        """Have the server read its configuration files again (reachable first)."""
+        """Have the server read its configuration files again, reachable first: the
+        postmaster reads them by their full path, and pg_reload_conf() from SQL finds
+        them unreadable when a pytest process that started meanwhile closed its tmp
+        root (the setting then never takes)."""
         self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "reload")
 
     def restart(self, mode: str = "fast") -> None:

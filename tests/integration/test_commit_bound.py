@@ -46,7 +46,7 @@ def waiting_server(tmp_path: Path) -> Iterator[EmbeddedPostgres]:
 def replication_returns(server: EmbeddedPostgres) -> None:
     with psycopg.connect(server.dsn, autocommit=True) as conn:
         conn.execute("ALTER SYSTEM SET synchronous_standby_names = ''")
-        conn.execute("SELECT pg_reload_conf()")
+    server.reload()  # its files reachable first (tests/support: a pytest process closes them)
 
 
 def written(server: EmbeddedPostgres, name: str) -> bool:
