@@ -317,6 +317,15 @@ class PglockConfig:
             raise ConfigurationError(f"invalid PglockConfig: {'; '.join(problems)}")
         if self.shard_rule is not None and not callable(self.shard_rule):
             object.__setattr__(self, "shard_rule", parse_rule(self.shard_rule))
+        if self.shard_rule is not None and not isinstance(
+            getattr(self.shard_rule, "__qualname__", None), str
+        ):
+            raise ConfigurationError(
+                f"invalid PglockConfig: pglock_shard_rule={self.shard_rule!r}: must be a "
+                "function (or 'module:function' naming one): its module and name are part "
+                "of the shard map's identity, the same in every worker process, and this "
+                "callable has no name (a functools.partial, an instance)"
+            )
         _refuse_mixed_shards(self)
         if self.database is not None:
             object.__setattr__(self, "dsn", _database_dsn(self.database, self.strategy, self.dsn))

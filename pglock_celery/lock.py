@@ -422,9 +422,10 @@ class AdvisoryLock:
 
         It first proves, without waiting, that the session still holds the lock
         (LockLost at once when not: it never takes the lock back), keeps it pinned
-        for the transaction, and asks the leader fence again before the commit.
-        Under strategy ``shared`` it refuses (PglockError): a shared session never
-        runs a holder's SQL.
+        for the transaction, and asks the leader fence again before the commit. A
+        moving name's lock on its previous shard (a change of the shards) is proven
+        at the start and before the commit too. Under strategy ``shared`` it refuses
+        (PglockError): a shared session never runs a holder's SQL.
         """
         with library_code():
             hold = self._held_here("no transaction without it")

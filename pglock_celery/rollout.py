@@ -81,7 +81,7 @@ def _digest(shards: Sequence[Shard] | None, dsn: str | None, rule: Rule | None) 
         if shards is not None
         else [(DEFAULT, database_parameters(dsn or ""))]
     )
-    named = None if rule is None else f"{rule.__module__}:{getattr(rule, '__qualname__', rule)}"
+    named = None if rule is None else f"{rule.__module__}:{rule.__qualname__}"
     text = json.dumps({"shards": placed, "rule": named}, sort_keys=True)
     return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 

@@ -3,11 +3,14 @@ maps apart by, and what it must not depend on."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from pglock_celery.config import PglockConfig
+from pglock_celery.exceptions import ConfigurationError
 from pglock_celery.rollout import Rollout, RolloutRefused
 from pglock_celery.shards import parse_shards
 
@@ -113,3 +116,11 @@ def test_begin_refuses_a_change_that_leaves_the_map_as_written() -> None:
     rollout = Rollout([("a", "service=app")], config.map_identity, never)  # type: ignore[arg-type]
     with pytest.raises(RolloutRefused, match="one map"):
         rollout.begin()
+
+
+def test_a_rule_without_a_name_is_refused_as_the_configuration_is_made() -> None:
+    """A functools.partial's text names its memory address: every process would compute
+    another map, and be refused once the record exists."""
+    placed = functools.partial(lambda name, to: to, to="a")
+    with pytest.raises(ConfigurationError, match=r"pglock_shard_rule=.*has no name"):
+        PglockConfig(shards=parse_shards(shards(["a", "b"])), shard_rule=placed)  # type: ignore[arg-type]
