@@ -122,7 +122,7 @@ class AdvisoryLock:
         # The loss of the hold last released, if it was lost.
         self._released_loss: Loss | None = None
         #: Where the session of the last acquire came from.
-        self._source: Source = registry.by_config.get(config) or registry.source(config)
+        self._source: Source = registry.source(config)
         #: While the shards change (pglock_shards_previous), a moving name's lock on its
         #: previous shard: taken first and let go last, so that workers on either map
         #: exclude this one (shards.py). Its loss is this lock's.

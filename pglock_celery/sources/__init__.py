@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 from ..config import PglockConfig
 from ..monitor import Monitor
+from ..rollout import MapIdentity
 from ..session import LockSession, open_bound
 from .base import SHARED, Source
 from .dedicated import DedicatedSource
@@ -38,7 +39,10 @@ class Registry:
     def __init__(self) -> None:
         self.monitor = Monitor()
         #: The sources made so far (read without a lock: a dict lookup is atomic).
-        self.by_config: dict[PglockConfig, Source] = {}
+        #: Each configuration's source, by the configuration and its shard map: two
+        #: maps' configurations of one shard compare equal, but their sessions record
+        #: different maps (rollout.py), so they never share one.
+        self.by_config: dict[tuple[PglockConfig, MapIdentity | None], Source] = {}
         self._mutex = threading.Lock()
         # Sockets being opened, not registered yet: a fork waits for them, each for as
         # long as its open can take (its deadline, time.monotonic()).
@@ -49,14 +53,15 @@ class Registry:
 
     def source(self, config: PglockConfig) -> Source:
         """The source of ``config``'s sessions in this process (made on first use)."""
-        found = self.by_config.get(config)
+        key = (config, config.map_identity)
+        found = self.by_config.get(key)
         if found is not None:
             return found
         with self._mutex:
-            found = self.by_config.get(config)
+            found = self.by_config.get(key)
             if found is None:
                 kind = SharedSource if config.strategy == SHARED else DedicatedSource
-                found = self.by_config[config] = kind(config, self)
+                found = self.by_config[key] = kind(config, self)
             return found
 
     def sources(self) -> list[Source]:

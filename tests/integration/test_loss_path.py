@@ -217,7 +217,7 @@ def test_a_release_racing_a_recorded_loss_keeps_no_session_and_its_cut_spares_th
     admin = psycopg.connect(dsn, autocommit=True)
     try:
         assert h1.acquire()
-        source = registry.by_config[h1.config]
+        source = registry.source(h1.config)
         h1.connection.execute("SELECT pg_advisory_unlock_all()")
         assert pause_before_cut["reached"].wait(10), "the monitor did not find H1's loss"
         with pytest.raises(LockLost):
