@@ -439,12 +439,19 @@ class PglockConfig:
                     f"lock #{key}: with pglock_shard_rule, a lock is taken by its name: the "
                     "rule places names, and a bare key could land on another shard"
                 )
-            chosen = self.shard_rule(name)
+            try:
+                chosen = self.shard_rule(name)
+            except Exception as exc:
+                raise ConfigurationError(
+                    f"pglock_shard_rule raised {type(exc).__name__} placing lock {name!r}: "
+                    "nothing is locked (a rule must give a shard name, or None for the hash)"
+                ) from exc
             if chosen is not None:
                 if chosen not in names:
                     raise ConfigurationError(
                         f"pglock_shard_rule placed lock {name!r} on shard {chosen!r}, which "
-                        f"pglock_shards does not name (it names {', '.join(names)})"
+                        f"this map does not name (it names {', '.join(names)}; during a "
+                        "change of the shards, the previous map is asked too)"
                     )
                 return str(chosen)
         return rendezvous(key, names)
@@ -751,6 +758,25 @@ def _mask_in_celery_reports() -> None:
         # (PGLOCK_SHARDS matches PGLOCK_SHARDS_PREVIOUS too.)
         # setattr: celery-types does not declare HIDDEN_SETTINGS.
         setattr(celery.app.utils, "HIDDEN_SETTINGS", extended)  # noqa: B010
+    # A mapping's value is masked by its own keys only (Celery goes into it), and a
+    # shard map's keys are shard names: pglock_shards (and _previous) are masked whole.
+    censor = getattr(celery.app.utils, "filter_hidden_settings", None)
+    if callable(censor) and not getattr(censor, "_masks_pglock_shards", False):
 
+        def filter_hidden_settings(conf: Any) -> Any:
+            whole = {
+                key: "*" * 8
+                if isinstance(key, str) and key.lower().removeprefix("celery_") in _SHARD_MAPS
+                else value
+                for key, value in conf.items()
+            }
+            return censor(whole)
+
+        filter_hidden_settings._masks_pglock_shards = True  # type: ignore[attr-defined]
+        setattr(celery.app.utils, "filter_hidden_settings", filter_hidden_settings)  # noqa: B010
+
+
+#: The settings whose value is a shard map (DSNs, with their passwords, inside).
+_SHARD_MAPS = frozenset({"pglock_shards", "pglock_shards_previous"})
 
 _mask_in_celery_reports()

@@ -213,8 +213,9 @@ def holder(name_or_key: str | int, *, dsn: str | None = None) -> Holder | None:
     key is what is checked, never a prefix of a cut application_name); asked
     by key, the name is what its application_name shows, if anything. Without
     ``dsn``, the current Celery app's ``pglock_dsn``, else ``PGLOCK_DSN``, as
-    for try_lock. Opens one short plain session (never a lock session) and
-    closes it; raises LockUnavailable when the database cannot be asked.
+    for try_lock (a moving name during a change of the shards: its previous shard,
+    then its new one). Opens one short plain session (never a lock session) for each
+    and closes it; raises LockUnavailable when a database cannot be asked.
     """
     if isinstance(name_or_key, str):
         name: str | None = check_lock_name(name_or_key)
@@ -222,16 +223,25 @@ def holder(name_or_key: str | int, *, dsn: str | None = None) -> Holder | None:
     else:
         name, key = None, check_key(name_or_key)
     label = name if name is not None else f"#{key}"
-    config = get_config(current_app).with_dsn(dsn).for_key(key, name)
-    target = config.require_dsn()
-    try:
-        with _plain_session(config) as conn:
-            found = find_holder(conn, key)
-    except psycopg.Error as exc:
-        reason = " ".join(str(exc).split())
-        raise LockUnavailable(
-            f"cannot ask {describe_target(target)} who holds lock {label}: {redact(reason, target)}"
-        ) from exc
+    whole = get_config(current_app).with_dsn(dsn)
+    # During a change of the shards a moving name is held on its previous shard too
+    # (by an old-map worker, say): asked there first, as a lock takes it.
+    found = None
+    for config in (whole.previous_for_key(key, name), whole.for_key(key, name)):
+        if config is None:
+            continue
+        target = config.require_dsn()
+        try:
+            with _plain_session(config) as conn:
+                found = find_holder(conn, key)
+        except psycopg.Error as exc:
+            reason = " ".join(str(exc).split())
+            raise LockUnavailable(
+                f"cannot ask {describe_target(target)} who holds lock {label}: "
+                f"{redact(reason, target)}"
+            ) from exc
+        if found is not None:
+            break
     if found is None or name is None:
         return found
     return dataclasses.replace(found, name=name, name_truncated=False)

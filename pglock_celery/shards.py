@@ -53,6 +53,19 @@ class Shard:
     patroni_url: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)
 
 
+class _NamedTwice(Exception):
+    """A JSON object gives one key twice (json keeps the last, silently)."""
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _NamedTwice(repr(key))
+        found[key] = value
+    return found
+
+
 def parse_shards(raw: Any) -> tuple[Shard, ...] | None:
     """``pglock_shards``'s value: a mapping (or its JSON text, the environment's form)
     of shard name to a DSN, or to ``{"dsn": ..., "patroni_url": ...}``, or to a pair
@@ -64,7 +77,11 @@ def parse_shards(raw: Any) -> tuple[Shard, ...] | None:
         return _distinct(raw)  # parsed already (a PglockConfig made from another)
     if isinstance(raw, str):
         try:
-            raw = json.loads(raw)
+            raw = json.loads(raw, object_pairs_hook=_once_each)
+        except _NamedTwice as exc:
+            raise ValueError(
+                f"gives {exc} twice (JSON keeps the last): which one is meant?"
+            ) from None
         except ValueError:
             raise ValueError(
                 "must be a JSON object of shard name to DSN (in the environment)"
