@@ -36,7 +36,7 @@ from .guard import (
 from .inspect import Holder, list_holders
 from .keys import lock_key
 from .rollout import Rollout, describe
-from .shards import Shard, parse_shards
+from .shards import Shard, parse_shards, previous_label
 
 if TYPE_CHECKING:
     from .config import PglockConfig
@@ -68,27 +68,35 @@ def _targets(args: argparse.Namespace) -> list[tuple[str | None, str]]:
         if wanted:
             raise UsageError(f"--shard {wanted!r}: no pglock_shards is set")
         return [(None, _dsn(args))]
-    chosen = [shard for shard in shards if wanted in (None, shard.name)]
+    # During a change of the shards, the previous map's databases too: a shard being
+    # removed, or a moved shard's old database (named "NAME (previous map)").
+    labelled = [(shard.name, shard.dsn) for shard in shards]
+    for shard in _shards(args, "pglock_shards_previous") or ():
+        if all(shard.dsn != dsn for _, dsn in labelled):
+            current = any(name == shard.name for name, _ in labelled)
+            labelled.append((previous_label(shard.name) if current else shard.name, shard.dsn))
+    chosen = [(name, dsn) for name, dsn in labelled if wanted in (None, name)]
     if not chosen:
-        names = ", ".join(shard.name for shard in shards)
-        raise UsageError(f"--shard {wanted!r}: pglock_shards names {names}")
-    return [(shard.name, _usable_dsn(shard.dsn)) for shard in chosen]
+        names = ", ".join(name for name, _ in labelled)
+        raise UsageError(f"--shard {wanted!r}: the shards are {names}")
+    return [(name, _usable_dsn(dsn)) for name, dsn in chosen]
 
 
-def _shards(args: argparse.Namespace) -> tuple[Shard, ...] | None:
-    """The app's (or else the environment's) pglock_shards, parsed; None when unset.
+def _shards(args: argparse.Namespace, setting: str = "pglock_shards") -> tuple[Shard, ...] | None:
+    """The app's (or else the environment's) pglock_shards (or ``setting``, the
+    previous map's), parsed; None when unset.
 
     Read on its own, so that another invalid setting (the doctor's finding) does not
     hide the shards; an invalid value of its own is bad input.
     """
     app = _app(args)
-    raw = app.conf.get("pglock_shards") if app is not None else None
+    raw = app.conf.get(setting) if app is not None else None
     if raw is None:
-        raw = os.environ.get("PGLOCK_SHARDS") or None
+        raw = os.environ.get(setting.upper()) or None
     try:
         return parse_shards(raw)
     except ValueError as exc:
-        raise UsageError(f"invalid setting pglock_shards=<hidden>: {exc}") from None
+        raise UsageError(f"invalid setting {setting}=<hidden>: {exc}") from None
 
 
 def _sharded_settings(args: argparse.Namespace) -> PglockConfig | None:
@@ -214,6 +222,14 @@ def cmd_key(args: argparse.Namespace) -> int:
         config = _sharded_settings(args)
         if config is not None:
             print(f"shard: {config.shard_of(key, args.name)}")
+            previous = config.previous_for_key(key, args.name)
+            if previous is not None:
+                before = config.previous_map()
+                assert before is not None
+                print(
+                    f"previous shard: {before.shard_of(key, args.name)} (a change of the "
+                    "shards is under way: the name is locked there too, first)"
+                )
     return 0
 
 

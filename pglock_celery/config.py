@@ -41,7 +41,15 @@ from .dsn import dsn_problem
 from .exceptions import ConfigurationError, LockNameError
 from .leader import parse_setting as parse_leader_setting
 from .rollout import MapIdentity, map_identity
-from .shards import DEFAULT, Rule, Shard, parse_rule, parse_shards, rendezvous
+from .shards import (
+    DEFAULT,
+    PREVIOUS_MARK,
+    Rule,
+    Shard,
+    parse_rule,
+    parse_shards,
+    rendezvous,
+)
 
 _CACHE_ATTRIBUTE = "_pglock_config"
 
@@ -446,12 +454,14 @@ class PglockConfig:
                     f"pglock_shard_rule raised {type(exc).__name__} placing lock {name!r}: "
                     "nothing is locked (a rule must give a shard name, or None for the hash)"
                 ) from exc
+            if chosen is not None and chosen not in names and self.__dict__.get("_is_previous"):
+                # A shard the change adds: before it, such a name was placed by the hash.
+                chosen = None
             if chosen is not None:
                 if chosen not in names:
                     raise ConfigurationError(
                         f"pglock_shard_rule placed lock {name!r} on shard {chosen!r}, which "
-                        f"this map does not name (it names {', '.join(names)}; during a "
-                        "change of the shards, the previous map is asked too)"
+                        f"pglock_shards does not name (it names {', '.join(names)})"
                     )
                 return str(chosen)
         return rendezvous(key, names)
@@ -460,6 +470,16 @@ class PglockConfig:
         """During a change of the shards (``pglock_shards_previous``): the configuration
         of the lock's shard in the previous map when its database is not the one of
         its shard now (a moving name, locked on both); else None."""
+        before = self.previous_map()
+        if before is None:
+            return None
+        then, now = before.for_key(key, name), self.for_key(key, name)
+        same = (then.dsn, then.patroni_url) == (now.dsn, now.patroni_url)
+        return None if same else then
+
+    def previous_map(self) -> PglockConfig | None:
+        """During a change of the shards: this configuration with the previous map as
+        its shards (its lock sessions still record this one's map); else None."""
         if self.shards_previous is None:
             return None
         before = self.__dict__.get("_previous")
@@ -469,10 +489,19 @@ class PglockConfig:
                 before.__dict__.pop(attribute, None)
             object.__setattr__(before, "shards", self.shards_previous)
             object.__setattr__(before, "shards_previous", None)
+            before.__dict__["_is_previous"] = True
             self.__dict__["_previous"] = before
-        then, now = before.for_key(key, name), self.for_key(key, name)
-        same = (then.dsn, then.patroni_url) == (now.dsn, now.patroni_url)
-        return None if same else then
+        return before
+
+    def for_named_shard(self, label: str) -> PglockConfig:
+        """The configuration of shard ``label`` of this map, else of the previous one (a
+        shard being removed; ``NAME (previous map)``: a moved shard's old database)."""
+        names = {shard.name for shard in self.shards or ()}
+        before = self.previous_map()
+        base = label.removesuffix(PREVIOUS_MARK)
+        if label in names or before is None:
+            return self.for_shard(label)
+        return before.for_shard(base)
 
     def for_key(self, key: int, name: str | None = None) -> PglockConfig:
         """The configuration of the shard the lock ``key`` (named ``name``) lives on:

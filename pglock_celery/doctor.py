@@ -986,7 +986,7 @@ def run_checks(
     prefix = PglockConfig().application_name
     config, invalid = read_settings(app)
     if shard is not None and config.shards is not None:
-        config = config.for_shard(shard)
+        config = config.for_named_shard(shard)
     urls = config.patroni_url or ()
     findings: list[Finding] = []
     with _doctor_connect(dsn) as conn:

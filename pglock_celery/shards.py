@@ -53,6 +53,15 @@ class Shard:
     patroni_url: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)
 
 
+#: How a moved shard's database of the previous map is named beside the new one's.
+PREVIOUS_MARK = " (previous map)"
+
+
+def previous_label(name: str) -> str:
+    """``NAME (previous map)``: shard ``name``'s database in the previous map."""
+    return f"{name}{PREVIOUS_MARK}"
+
+
 class _NamedTwice(Exception):
     """A JSON object gives one key twice (json keeps the last, silently)."""
 
