@@ -56,7 +56,8 @@ def _targets(args: argparse.Namespace) -> list[tuple[str | None, str]]:
     """The databases a command works on, each with its shard's name (None: no shards).
 
     ``--dsn`` alone; else every shard of ``pglock_shards`` (the app's, or the
-    environment's), or the one ``--shard`` names; else ``pglock_dsn``.
+    environment's) and, during a change, of ``pglock_shards_previous`` whose database
+    the new map lacks, or the one ``--shard`` names; else ``pglock_dsn``.
     """
     wanted = getattr(args, "shard", None)
     if args.dsn:
