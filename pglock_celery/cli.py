@@ -79,7 +79,8 @@ def _targets(args: argparse.Namespace) -> list[tuple[str | None, str]]:
     chosen = [(name, dsn) for name, dsn in labelled if wanted in (None, name)]
     if not chosen:
         names = ", ".join(name for name, _ in labelled)
-        raise UsageError(f"--shard {wanted!r}: the shards are {names}")
+        which = "pglock_shards names" if len(labelled) == len(shards) else "both maps name"
+        raise UsageError(f"--shard {wanted!r}: {which} {names}")
     return [(name, _usable_dsn(dsn)) for name, dsn in chosen]
 
 
