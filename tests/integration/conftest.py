@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import Any
 import psycopg
 import pytest
 from celery import Celery
+from psycopg import sql as psql
+from psycopg.conninfo import make_conninfo
 
 from pglock_celery.sources import registry
 from tests.apps.core import app as core_app
@@ -114,3 +117,40 @@ def history(pg_dsn: str) -> Iterator[str]:
     table = create_history(pg_dsn)
     yield table
     drop_history(pg_dsn, table)
+
+
+@pytest.fixture
+def make_dbs(pg_dsn: str) -> Iterator[Callable[[int], list[str]]]:
+    """Create databases pglock_rollout_<random>; each DSN given back; all dropped after."""
+    made: list[str] = []
+
+    def make(count: int) -> list[str]:
+        dsns = []
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for _ in range(count):
+                name = f"pglock_rollout_{uuid.uuid4().hex[:10]}"
+                conn.execute(psql.SQL("CREATE DATABASE {}").format(psql.Identifier(name)))
+                made.append(name)
+                dsns.append(make_conninfo(pg_dsn, dbname=name))
+        return dsns
+
+    try:
+        yield make
+    finally:
+        registry.close()
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for name in made:
+                conn.execute(
+                    psql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                        psql.Identifier(name)
+                    )
+                )
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No PGLOCK_* variable of the run's own: each test sets what it means."""
+    for key in list(os.environ):
+        if key.startswith("PGLOCK_"):
+            monkeypatch.delenv(key)
+    return monkeypatch

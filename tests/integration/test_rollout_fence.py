@@ -1,9 +1,9 @@
 """The fence of a change of the shards at its edges (docs/shards.md, "Changing the shards").
 
-Each test drives real Postgres databases of its own (pglock_attack_*) with in-process
-AdvisoryLock objects of the old map, the transition and the new map (distinct
+Each test drives real Postgres databases of its own (pglock_rollout_*, make_dbs) with
+in-process AdvisoryLock objects of the old map, the transition and the new map (distinct
 application_name prefixes, as test_shard_rollout.py does), and the operator's steps as
-`pglock-celery shards` builds them (cli._rollout, from PGLOCK_* in the environment):
+`pglock-celery shards` builds them (tests/support/rollout.py):
 DSNs that name one database in two ways or two databases by a service, sessions that
 predate the record under any name, a step run while another waits, a role without
 schema public.
@@ -11,12 +11,9 @@ schema public.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -24,89 +21,15 @@ import pytest
 from psycopg import sql as psql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from pglock_celery import LockTimeout, LockUnavailable, cli
+from pglock_celery import LockTimeout, LockUnavailable
 from pglock_celery.config import PglockConfig
-from pglock_celery.keys import lock_key
 from pglock_celery.lock import AdvisoryLock
-from pglock_celery.rollout import Rollout, RolloutRefused
+from pglock_celery.rollout import RolloutRefused
 from pglock_celery.shards import parse_shards
 from pglock_celery.sources import registry
+from tests.support.rollout import configs, moving_name, operator
 
 # -- databases of the tests' own --------------------------------------------------
-
-
-@pytest.fixture
-def make_dbs(pg_dsn: str) -> Iterator[Callable[[int], list[str]]]:
-    """Create databases pglock_attack_<random>; each DSN given back; all dropped after."""
-    made: list[str] = []
-
-    def make(count: int) -> list[str]:
-        dsns = []
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            for _ in range(count):
-                name = f"pglock_attack_{uuid.uuid4().hex[:10]}"
-                conn.execute(psql.SQL("CREATE DATABASE {}").format(psql.Identifier(name)))
-                made.append(name)
-                dsns.append(make_conninfo(pg_dsn, dbname=name))
-        return dsns
-
-    try:
-        yield make
-    finally:
-        registry.close()
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            for name in made:
-                conn.execute(
-                    psql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                        psql.Identifier(name)
-                    )
-                )
-
-
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for key in list(os.environ):
-        if key.startswith("PGLOCK_"):
-            monkeypatch.delenv(key)
-    return monkeypatch
-
-
-def operator(
-    env: pytest.MonkeyPatch, new: dict[str, str], old: dict[str, str] | None = None
-) -> Rollout:
-    """The Rollout `pglock-celery shards ...` runs with this configuration."""
-    env.setenv("PGLOCK_SHARDS", json.dumps(new))
-    if old is None:
-        env.delenv("PGLOCK_SHARDS_PREVIOUS", raising=False)
-    else:
-        env.setenv("PGLOCK_SHARDS_PREVIOUS", json.dumps(old))
-    return cli._rollout(argparse.Namespace(app=None, dsn=None))
-
-
-def configs(
-    old: dict[str, str], new: dict[str, str], **settings: object
-) -> tuple[PglockConfig, PglockConfig, PglockConfig]:
-    """Old-map, transition and new-map configurations (apart by their prefixes)."""
-    return (
-        PglockConfig(shards=parse_shards(old), application_name="pglock-old", **settings),
-        PglockConfig(
-            shards=parse_shards(new),
-            shards_previous=parse_shards(old),
-            application_name="pglock-tr",
-            **settings,
-        ),
-        PglockConfig(shards=parse_shards(new), application_name="pglock-new", **settings),
-    )
-
-
-def moving_name(old: dict[str, str], new: dict[str, str]) -> str:
-    o, n = PglockConfig(shards=parse_shards(old)), PglockConfig(shards=parse_shards(new))
-    for i in range(1000):
-        name = f"tenant:{uuid.uuid4().hex[:6]}-{i}"
-        key = lock_key(name)
-        if o.for_key(key, name).dsn != n.for_key(key, name).dsn:
-            return name
-    raise AssertionError("no moving name")
 
 
 def both_held(first: AdvisoryLock, second: AdvisoryLock) -> bool:

@@ -3,7 +3,7 @@ the shards", docs/limits.md 30-32): a transition's wait that keeps its previous 
 lock, a retried acquire that keeps it too, sessions from before the record when going
 back, one database under two DSNs whose sessions differ in TimeZone.
 
-Real Postgres only: databases pglock_probe_<random> on the test server (dropped after).
+Real Postgres only: databases pglock_rollout_<random> on the test server (dropped after).
 Holders are in-process AdvisoryLock objects of the old map, the transition and the new
 map (distinct application_name prefixes); the operator's steps are the Rollout that
 `pglock-celery shards` builds (cli._rollout, from PGLOCK_* in the environment).
@@ -11,112 +11,25 @@ map (distinct application_name prefixes); the operator's steps are the Rollout t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import os
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import psycopg
 import pytest
-from psycopg import sql as psql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from pglock_celery import LockTimeout, LockUnavailable, cli, rollout
+from pglock_celery import LockTimeout, rollout
 from pglock_celery.config import PglockConfig
 from pglock_celery.keys import lock_key
 from pglock_celery.lock import AdvisoryLock
 from pglock_celery.rollout import Rollout, RolloutRefused
 from pglock_celery.shards import parse_shards
 from pglock_celery.sources import registry
+from tests.support.rollout import configs, let_go, moving_name, operator, try_hold
 
 # -- set-up -------------------------------------------------------------------------
-
-
-@pytest.fixture
-def make_dbs(pg_dsn: str) -> Iterator[Callable[[int], list[str]]]:
-    """Create databases pglock_probe_<random>; each DSN given back; all dropped after."""
-    made: list[str] = []
-
-    def make(count: int) -> list[str]:
-        dsns = []
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            for _ in range(count):
-                name = f"pglock_probe_{uuid.uuid4().hex[:10]}"
-                conn.execute(psql.SQL("CREATE DATABASE {}").format(psql.Identifier(name)))
-                made.append(name)
-                dsns.append(make_conninfo(pg_dsn, dbname=name))
-        return dsns
-
-    try:
-        yield make
-    finally:
-        registry.close()
-        rollout._databases.clear()
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            for name in made:
-                conn.execute(
-                    psql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                        psql.Identifier(name)
-                    )
-                )
-
-
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for key in list(os.environ):
-        if key.startswith("PGLOCK_"):
-            monkeypatch.delenv(key)
-    return monkeypatch
-
-
-def operator(
-    env: pytest.MonkeyPatch, new: dict[str, str], old: dict[str, str] | None = None
-) -> Rollout:
-    """The Rollout `pglock-celery shards ...` runs with this configuration."""
-    env.setenv("PGLOCK_SHARDS", json.dumps(new))
-    if old is None:
-        env.delenv("PGLOCK_SHARDS_PREVIOUS", raising=False)
-    else:
-        env.setenv("PGLOCK_SHARDS_PREVIOUS", json.dumps(old))
-    return cli._rollout(argparse.Namespace(app=None, dsn=None))
-
-
-def configs(
-    old: dict[str, str], new: dict[str, str], **settings: object
-) -> tuple[PglockConfig, PglockConfig, PglockConfig]:
-    """Old-map, transition and new-map configurations (apart by their prefixes)."""
-    return (
-        PglockConfig(shards=parse_shards(old), application_name="pglock-old", **settings),
-        PglockConfig(
-            shards=parse_shards(new),
-            shards_previous=parse_shards(old),
-            application_name="pglock-tr",
-            **settings,
-        ),
-        PglockConfig(shards=parse_shards(new), application_name="pglock-new", **settings),
-    )
-
-
-def moving_name(old: dict[str, str], new: dict[str, str]) -> str:
-    o, n = PglockConfig(shards=parse_shards(old)), PglockConfig(shards=parse_shards(new))
-    for i in range(1000):
-        name = f"tenant:{uuid.uuid4().hex[:6]}-{i}"
-        key = lock_key(name)
-        if o.for_key(key, name).dsn != n.for_key(key, name).dsn:
-            return name
-    raise AssertionError("no moving name")
-
-
-def try_hold(lock: AdvisoryLock) -> bool:
-    """Acquire ``lock`` (a refusal counts as not held); the caller releases it."""
-    try:
-        return lock.acquire()
-    except LockUnavailable:
-        return False
 
 
 def connect(dsn: str) -> psycopg.Connection:
@@ -156,10 +69,7 @@ def test_going_back_is_refused_while_an_old_map_session_from_before_the_record_h
             refused = exc
         both = try_hold(newer) and old_holder.acquired
     finally:
-        with contextlib.suppress(Exception):
-            newer.release()
-        with contextlib.suppress(Exception):
-            old_holder.release()
+        let_go(newer, old_holder)
         registry.close()
     assert not both, (
         "two holders of one name: finish saw the old-map session from before the record "

@@ -2,7 +2,7 @@
 shards"; docs/limits.md 30-32): going back while finish waits, a shard moved to another
 database under its name, a shard moved to a promoted standby of its server.
 
-Real Postgres only: databases pglock_probe_<random> on the test server (dropped after),
+Real Postgres only: databases pglock_rollout_<random> on the test server (dropped after),
 and, where two servers must share a system identifier, embedded servers of the module's
 own (a primary and a promoted streaming standby of it). Holders are in-process AdvisoryLock
 objects of the old map, the transition and the new map (distinct application_name
@@ -12,10 +12,6 @@ prefixes); the operator's steps are the Rollout that `pglock-celery shards` buil
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
-import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,99 +21,18 @@ import pytest
 from psycopg import sql as psql
 from psycopg.conninfo import make_conninfo
 
-from pglock_celery import LockTimeout, LockUnavailable, cli
+from pglock_celery import LockTimeout
 from pglock_celery import sql as lsql
 from pglock_celery.config import PglockConfig
 from pglock_celery.keys import lock_key
 from pglock_celery.lock import AdvisoryLock
-from pglock_celery.rollout import Rollout, RolloutRefused, database_of
+from pglock_celery.rollout import RolloutRefused, database_of
 from pglock_celery.shards import parse_shards
 from pglock_celery.sources import registry
+from tests.support.rollout import configs, let_go, moving_name, operator, try_hold
 from tests.support.services import EmbeddedPostgres
 
 # -- set-up -------------------------------------------------------------------------
-
-
-@pytest.fixture
-def make_dbs(pg_dsn: str) -> Iterator[Callable[[int], list[str]]]:
-    """Create databases pglock_probe_<random>; each DSN given back; all dropped after."""
-    made: list[str] = []
-
-    def make(count: int) -> list[str]:
-        dsns = []
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            for _ in range(count):
-                name = f"pglock_probe_{uuid.uuid4().hex[:10]}"
-                conn.execute(psql.SQL("CREATE DATABASE {}").format(psql.Identifier(name)))
-                made.append(name)
-                dsns.append(make_conninfo(pg_dsn, dbname=name))
-        return dsns
-
-    try:
-        yield make
-    finally:
-        registry.close()
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            for name in made:
-                conn.execute(
-                    psql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                        psql.Identifier(name)
-                    )
-                )
-
-
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for key in list(os.environ):
-        if key.startswith("PGLOCK_"):
-            monkeypatch.delenv(key)
-    return monkeypatch
-
-
-def operator(
-    env: pytest.MonkeyPatch, new: dict[str, str], old: dict[str, str] | None = None
-) -> Rollout:
-    """The Rollout `pglock-celery shards ...` runs with this configuration."""
-    env.setenv("PGLOCK_SHARDS", json.dumps(new))
-    if old is None:
-        env.delenv("PGLOCK_SHARDS_PREVIOUS", raising=False)
-    else:
-        env.setenv("PGLOCK_SHARDS_PREVIOUS", json.dumps(old))
-    return cli._rollout(argparse.Namespace(app=None, dsn=None))
-
-
-def configs(
-    old: dict[str, str], new: dict[str, str], **settings: object
-) -> tuple[PglockConfig, PglockConfig, PglockConfig]:
-    """Old-map, transition and new-map configurations (apart by their prefixes)."""
-    return (
-        PglockConfig(shards=parse_shards(old), application_name="pglock-old", **settings),
-        PglockConfig(
-            shards=parse_shards(new),
-            shards_previous=parse_shards(old),
-            application_name="pglock-tr",
-            **settings,
-        ),
-        PglockConfig(shards=parse_shards(new), application_name="pglock-new", **settings),
-    )
-
-
-def moving_name(old: dict[str, str], new: dict[str, str]) -> str:
-    o, n = PglockConfig(shards=parse_shards(old)), PglockConfig(shards=parse_shards(new))
-    for i in range(1000):
-        name = f"tenant:{uuid.uuid4().hex[:6]}-{i}"
-        key = lock_key(name)
-        if o.for_key(key, name).dsn != n.for_key(key, name).dsn:
-            return name
-    raise AssertionError("no moving name")
-
-
-def try_hold(lock: AdvisoryLock) -> bool:
-    """Acquire ``lock`` (a refusal counts as not held); the caller releases it."""
-    try:
-        return lock.acquire()
-    except LockUnavailable:
-        return False
 
 
 def records(dsns: list[str]) -> list[list[str] | None]:
@@ -166,10 +81,7 @@ def test_going_back_while_old_sessions_remain_does_not_accept_the_new_map_beside
             refused = exc
         both = try_hold(newer) and old_holder.acquired
     finally:
-        with contextlib.suppress(Exception):
-            newer.release()
-        with contextlib.suppress(Exception):
-            old_holder.release()
+        let_go(newer, old_holder)
         registry.close()
     assert not both, (
         "two holders of one name: the reverse change's begin, run while finish had left "
@@ -299,10 +211,7 @@ def test_a_shard_moved_to_a_promoted_replica_keeps_old_and_transition_holders_ap
         assert old_holder.acquire(), "the old map is refused after begin"
         both = try_hold(tr) and old_holder.acquired
     finally:
-        with contextlib.suppress(Exception):
-            tr.release()
-        with contextlib.suppress(Exception):
-            old_holder.release()
+        let_go(tr, old_holder)
         registry.close()
     assert not both, (
         f"two holders of {name!r}: an old-map worker on the old server (port {ports[0]}) "
@@ -334,10 +243,7 @@ def test_a_shard_moved_to_a_promoted_replica_is_fenced_for_the_new_map_after_fin
         got_new = try_hold(newer)
         both = got_new and try_hold(late_old)
     finally:
-        with contextlib.suppress(Exception):
-            late_old.release()
-        with contextlib.suppress(Exception):
-            newer.release()
+        let_go(late_old, newer)
         registry.close()
     assert not both, (
         f"two holders of {name!r} after finish ({done}): a new-map worker on the new "

@@ -3,7 +3,7 @@
 previous one its loss (held, the body, lock.transaction() at its start and at its
 commit, release), holder() where it was refused, a fork, an exception in the body.
 
-Real Postgres only: databases pglock_probe_<random> on the test server (dropped after).
+Real Postgres only: databases pglock_rollout_<random> on the test server (dropped after).
 Holders are in-process AdvisoryLock objects of the old map, the transition and the new
 map (distinct application_name prefixes); the operator's steps are the Rollout that
 `pglock-celery shards` builds (cli._rollout, from PGLOCK_* in the environment).
@@ -11,104 +11,24 @@ map (distinct application_name prefixes); the operator's steps are the Rollout t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import time
-import uuid
 from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
-from psycopg import sql as psql
-from psycopg.conninfo import make_conninfo
 
-from pglock_celery import LockLost, PglockError, cli
+from pglock_celery import LockLost, PglockError
 from pglock_celery.config import PglockConfig
 from pglock_celery.keys import lock_key
 from pglock_celery.lock import AdvisoryLock
-from pglock_celery.rollout import Rollout
-from pglock_celery.shards import parse_shards
 from pglock_celery.sources import registry
+from tests.support.rollout import configs, let_go, moving, operator
 
 STRATEGIES = ["reuse", "connect", "shared"]
 
 # -- set-up ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def make_dbs(pg_dsn: str) -> Iterator[Callable[[int], list[str]]]:
-    made: list[str] = []
-
-    def make(count: int) -> list[str]:
-        dsns = []
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            for _ in range(count):
-                name = f"pglock_probe_{uuid.uuid4().hex[:10]}"
-                conn.execute(psql.SQL("CREATE DATABASE {}").format(psql.Identifier(name)))
-                made.append(name)
-                dsns.append(make_conninfo(pg_dsn, dbname=name))
-        return dsns
-
-    try:
-        yield make
-    finally:
-        registry.close()
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            for name in made:
-                conn.execute(
-                    psql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                        psql.Identifier(name)
-                    )
-                )
-
-
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for key in list(os.environ):
-        if key.startswith("PGLOCK_"):
-            monkeypatch.delenv(key)
-    return monkeypatch
-
-
-def operator(
-    env: pytest.MonkeyPatch, new: dict[str, str], old: dict[str, str] | None = None
-) -> Rollout:
-    env.setenv("PGLOCK_SHARDS", json.dumps(new))
-    if old is None:
-        env.delenv("PGLOCK_SHARDS_PREVIOUS", raising=False)
-    else:
-        env.setenv("PGLOCK_SHARDS_PREVIOUS", json.dumps(old))
-    return cli._rollout(argparse.Namespace(app=None, dsn=None))
-
-
-def configs(
-    old: dict[str, str], new: dict[str, str], **settings: object
-) -> tuple[PglockConfig, PglockConfig, PglockConfig]:
-    return (
-        PglockConfig(shards=parse_shards(old), application_name="pglock-old", **settings),
-        PglockConfig(
-            shards=parse_shards(new),
-            shards_previous=parse_shards(old),
-            application_name="pglock-tr",
-            **settings,
-        ),
-        PglockConfig(shards=parse_shards(new), application_name="pglock-new", **settings),
-    )
-
-
-def moving_name(old: dict[str, str], new: dict[str, str]) -> tuple[str, str, str]:
-    """A name whose database differs between the maps, its old DSN and its new DSN."""
-    o, n = PglockConfig(shards=parse_shards(old)), PglockConfig(shards=parse_shards(new))
-    for i in range(1000):
-        name = f"tenant:{uuid.uuid4().hex[:6]}-{i}"
-        key = lock_key(name)
-        before, now = o.for_key(key, name).dsn, n.for_key(key, name).dsn
-        if before != now:
-            assert before is not None and now is not None
-            return name, before, now
-    raise AssertionError("no moving name")
 
 
 def kill_transition_sessions(dsn: str) -> list[int]:
@@ -137,7 +57,7 @@ def transition_begun(
     old, new = {"a": a, "b": b}, {"a": a, "b": b, "c": c}
     operator(env, old).init()
     operator(env, new, old).begin()
-    name, before, now = moving_name(old, new)
+    name, before, now = moving(old, new)
     try:
         yield name, before, now, configs(old, new, **settings)
     finally:
@@ -176,10 +96,7 @@ def test_transaction_of_a_moving_name_refuses_once_its_previous_shard_lock_is_go
             except LockLost as exc:
                 error = exc
         finally:
-            with contextlib.suppress(Exception):
-                old_worker.release()
-            with contextlib.suppress(Exception):
-                tr.release()
+            let_go(old_worker, tr)
         with psycopg.connect(now, autocommit=True) as conn:
             rows = conn.execute("SELECT count(*) FROM probe_writes").fetchone()
         assert not committed and error is not None, (
@@ -212,10 +129,7 @@ def test_transaction_of_a_moving_name_commits_nothing_when_its_previous_shard_lo
                     assert old_worker.acquire(), "setup: the old-map worker was refused"
             assert tr.loss is not None, "the loss was not kept"
         finally:
-            with contextlib.suppress(Exception):
-                old_worker.release()
-            with contextlib.suppress(Exception):
-                tr.release()
+            let_go(old_worker, tr)
         with psycopg.connect(now, autocommit=True) as conn:
             rows = conn.execute("SELECT count(*) FROM probe_writes").fetchone()
         assert rows == (0,), f"[{strategy}] committed beside an old-map holder"
@@ -284,10 +198,7 @@ def test_body_of_a_moving_name_is_interrupted_when_its_previous_shard_lock_is_go
                         break
                     time.sleep(0.1)
         finally:
-            with contextlib.suppress(Exception):
-                tr.release()
-            with contextlib.suppress(Exception):
-                newer.release()
+            let_go(tr, newer)
         assert interrupted is not None, f"[{strategy}] the body slept on: no LockLost"
         assert interrupted < 8, f"[{strategy}] LockLost came after {interrupted:.1f}s"
         assert freed, f"[{strategy}] the new shard's lock stayed held after the loss"
@@ -345,10 +256,7 @@ def test_holder_of_a_moving_name_refused_on_its_previous_shard_names_the_holder(
             assert not tr.acquire(), "two holders: the transition took a held moving name"
             who = tr.holder()
         finally:
-            with contextlib.suppress(Exception):
-                tr.release()
-            with contextlib.suppress(Exception):
-                old_worker.release()
+            let_go(tr, old_worker)
         assert who is not None, (
             f"[{strategy}] holder() of the moving name {name!r}, refused because an old-map "
             "worker holds it on its previous shard, says nobody holds it (a skip reports "
