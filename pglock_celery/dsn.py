@@ -198,6 +198,28 @@ def database_parameters(dsn: str) -> tuple[tuple[str, str], ...]:
     return tuple(found)
 
 
+def database_address(dsn: str | None) -> tuple[str, ...] | None:
+    """Where libpq takes ``dsn``'s locks, with its defaults (environment, user);
+    None when it cannot be told without connecting."""
+    if not dsn:
+        return None
+    parsed = parse_dsn(dsn)
+    if parsed.problem is not None:
+        return None
+    params, env = parsed.params, os.environ
+    user = params.get("user") or env.get("PGUSER") or ""
+    dbname = params.get("dbname") or env.get("PGDATABASE") or user
+    if not dbname:
+        return None  # the operating system's user name: left to libpq
+    return (
+        params.get("host") or env.get("PGHOST", ""),
+        params.get("hostaddr") or env.get("PGHOSTADDR", ""),
+        params.get("port") or env.get("PGPORT") or "5432",
+        params.get("service") or env.get("PGSERVICE", ""),
+        dbname,
+    )
+
+
 def without_server(dsn: str, host: str, port: int) -> str | None:
     """``dsn`` without the server of its host list that ``host`` and ``port`` name (as
     libpq reports a connection's), its other servers in their order.

@@ -247,19 +247,19 @@ def holder(name_or_key: str | int, *, dsn: str | None = None) -> Holder | None:
     return dataclasses.replace(found, name=name, name_truncated=False)
 
 
-def database_identity(config: PglockConfig) -> tuple[str, int, str] | None:
+def database_identity(config: PglockConfig) -> str | None:
     """Return which database of which running server ``config``'s DSN reaches.
 
-    ``(server start, database oid, database name)``: equal for two DSNs only when
-    their locks live in the same database, however each names the server. None
-    when the server cannot be asked (the caller then stays in doubt).
+    The server's start and the database's oid (sql.DATABASE_OF): equal for two DSNs
+    only when their locks live in the same database, however each names the server.
+    None when the server cannot be asked (the caller then stays in doubt).
     """
     try:
         with _plain_session(config) as conn:
             row = conn.execute(sql.DATABASE_IDENTITY).fetchone()
     except (psycopg.Error, PglockError):
         return None
-    return (str(row[0]), int(row[1]), str(row[2])) if row is not None else None
+    return str(row[0]) if row is not None else None
 
 
 def _plain_session(config: PglockConfig) -> psycopg.Connection[Any]:

@@ -25,6 +25,7 @@ from celery import current_app
 from celery._state import get_current_task
 
 from .config import PglockConfig, get_config
+from .dsn import database_address
 from .exceptions import LockLost, PglockError
 from .inspect import Holder
 from .keys import cached_lock_key, check_key, check_lock_name, check_timeout, lock_key
@@ -58,9 +59,12 @@ def current_lock() -> AdvisoryLock | None:
 
 def _one_database(before: PglockConfig, now: PglockConfig) -> bool:
     """Whether a moving name's previous shard and its new one are one database under
-    two DSNs (as the transition's lock sessions found them: a session opened, never
-    locking, on a DSN not met yet). Taken on both, the second lock would wait on the
-    first."""
+    two DSNs: written alike once libpq's defaults are in (dsn.database_address), or
+    found so by the transition's lock sessions (a session opened, never locking, on a
+    DSN not met yet). Taken on both, the second lock would wait on the first."""
+    address = database_address(before.dsn)
+    if address is not None and address == database_address(now.dsn):
+        return True  # one database however the two DSNs are written (task.py does alike)
     found = []
     for config in (before, now):
         dsn = config.require_dsn()

@@ -162,12 +162,6 @@ KEYED_HOLDER: Statement = (
     b" AND l.classid = $1::pg_catalog.int8::pg_catalog.oid"
     b" AND l.objid = $2::pg_catalog.int8::pg_catalog.oid LIMIT 1",
 )
-#: Which database of which running server this is: its start (microseconds) tells
-#: servers apart, the oid databases.
-DATABASE_IDENTITY = """
-SELECT pg_catalog.pg_postmaster_start_time()::text, oid::pg_catalog.int8, datname
-FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database()
-"""
 #: The server's clock, for the age of what `pglock-celery locks` shows.
 SERVER_NOW = b"SELECT pg_catalog.now()"
 #: The server a lock session is on, for the Patroni fence (patroni.ServerIdentity).
@@ -298,6 +292,8 @@ _DATABASE = (
     b" FROM pg_catalog.pg_database AS d WHERE d.datname = pg_catalog.current_database())"
 )
 DATABASE_OF = b"SELECT " + _DATABASE
+#: The same, read by a plain session (inspect.database_identity).
+DATABASE_IDENTITY = DATABASE_OF
 #: Whether the map %s is accepted here, and the maps that are.
 MAP_ACCEPTED = (
     b"SELECT coalesce(bool_or(map = %s), false),"

@@ -27,7 +27,7 @@ from celery.canvas import _chain, chord, group, maybe_signature
 from celery.exceptions import Ignore, Retry
 
 from .config import PglockConfig, get_config, retry_countdown
-from .dsn import parse_dsn
+from .dsn import database_address
 from .exceptions import (
     ConfigurationError,
     LockLost,
@@ -202,33 +202,11 @@ def _same_database(a: PglockConfig, b: PglockConfig) -> bool:
     """
     if a.dsn == b.dsn:
         return True
-    where_a, where_b = _database_of(a.dsn), _database_of(b.dsn)
+    where_a, where_b = database_address(a.dsn), database_address(b.dsn)
     if where_a is not None and where_a == where_b:
         return True
     identity = database_identity(a)
     return identity is not None and identity == database_identity(b)
-
-
-def _database_of(dsn: str | None) -> tuple[str, ...] | None:
-    """Where libpq takes ``dsn``'s locks, with its defaults (environment, user);
-    None when it cannot be told without connecting."""
-    if not dsn:
-        return None
-    parsed = parse_dsn(dsn)
-    if parsed.problem is not None:
-        return None
-    params, env = parsed.params, os.environ
-    user = params.get("user") or env.get("PGUSER") or ""
-    dbname = params.get("dbname") or env.get("PGDATABASE") or user
-    if not dbname:
-        return None  # the operating system's user name: left to libpq
-    return (
-        params.get("host") or env.get("PGHOST", ""),
-        params.get("hostaddr") or env.get("PGHOSTADDR", ""),
-        params.get("port") or env.get("PGPORT") or "5432",
-        params.get("service") or env.get("PGSERVICE", ""),
-        dbname,
-    )
 
 
 #: Options of other lock libraries (celery-once, celery-singleton) that mean nothing
