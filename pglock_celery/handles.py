@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import time
 from collections.abc import Callable, Generator
 from types import TracebackType
@@ -74,6 +75,73 @@ def finish_interrupted(
 
 #: Seconds a cancelled statement is given to end before its connection is closed.
 CANCEL_WAIT = 5.0
+
+
+class SessionGuard:
+    """A lock session's re-entrant guard: every statement on the session, whoever sends
+    it (the library, a holder's handle), runs holding it.
+
+    Once the session is retired (:meth:`close_when_quiet`), whoever lets go of it last
+    closes the session's connection, still holding it: a session found lost while a
+    statement was under way is closed as that statement ends, by the library, never
+    left open for the garbage collector, and never closed under another thread's wait
+    (which could hand its descriptor's number to another file).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        # How deep the owner holds it (only the owner changes it).
+        self._depth = 0
+        self._on_quiet: Callable[[], None] | None = None
+        # Makes "the last let-go finds no close asked for, and lets go" one step against
+        # close_when_quiet's "asked for, and found it held": never both missed.
+        self._state = threading.Lock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self._lock.acquire(blocking, timeout)
+        if got:
+            self._depth += 1
+        return got
+
+    def release(self) -> None:
+        with self._state:
+            close = None
+            if self._depth == 1:
+                close, self._on_quiet = self._on_quiet, None
+            if close is None:
+                self._depth -= 1
+                self._lock.release()
+                return
+        try:
+            close()  # still holding it: nobody else's statement can be under way
+        finally:
+            with self._state:
+                self._depth -= 1
+                self._lock.release()
+
+    __enter__ = acquire  # one frame fewer on every statement
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def close_when_quiet(self, close: Callable[[], None], *, now_if_idle: bool = True) -> None:
+        """Run ``close`` as the statement under way ends; with none under way, now (or,
+        without ``now_if_idle``, not at all: the caller closes it later)."""
+        with self._state:
+            if self._depth or not self._lock.acquire(blocking=False):
+                self._on_quiet = close  # held (by this thread too): its last let-go closes
+                return
+            if not now_if_idle:
+                self._lock.release()
+                return
+            self._on_quiet = close
+            self._depth += 1
+        self.release()
 
 
 class StatementDeadline(psycopg.OperationalError):

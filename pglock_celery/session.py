@@ -31,7 +31,6 @@ import os
 import secrets
 import socket
 import sys
-import threading
 import time
 import uuid
 import weakref
@@ -50,6 +49,7 @@ from .handles import (
     HandleConnection,
     Revoked,
     SessionConnection,
+    SessionGuard,
     dead_pgconn,
     finish_interrupted,
     green_wait,
@@ -414,7 +414,7 @@ class LockSession:
         conn.prepare_threshold = None
         self.pgconn = conn.pgconn
         #: Serialises every statement on the session, whoever sends it.
-        self.guard = threading.RLock()
+        self.guard = SessionGuard()
         conn.lock = self.guard  # type: ignore[assignment]
         self.dsn = dsn
         #: The process that opened the session: no other may use or close it.
@@ -518,7 +518,7 @@ class LockSession:
         with contextlib.suppress(ValueError):
             self._handles.remove(handle)
 
-    def alive(self) -> bool:
+    def alive(self, *, take_guard: bool = True) -> bool:
         """Whether the server still has the session, read from the socket without a statement.
 
         Safe in any state, from any thread: it only peeks (never consuming what
@@ -529,11 +529,13 @@ class LockSession:
         while a statement, a pipeline or a COPY is under way only a FATAL or PANIC
         error, or a connection-ending SQLSTATE (class 57P), is: the rest is the
         holder's results. A closed or reset connection, or one the keepalives found
-        dead, is not alive either.
+        dead, is not alive either. Without ``take_guard`` it is judged as while a
+        statement is under way: for an OS thread that must not take a green lock
+        (monitor.py's native watch under gevent and eventlet).
         """
         if self.pid != os.getpid() or self.pgconn.status == pq.ConnStatus.BAD:
             return False
-        quiet = self.guard.acquire(blocking=False)
+        quiet = take_guard and self.guard.acquire(blocking=False)
         try:
             pending = self._peek()
             if pending is None:
@@ -709,6 +711,13 @@ class LockSession:
         """Close the session (its locks go with it); only in the process that opened it."""
         if self.pid == os.getpid():
             self.conn.close()
+
+    def retire(self, *, now_if_idle: bool = True) -> None:
+        """Close the session as soon as no statement is under way on it: now, or as the
+        one under way ends (a cut session's statement fails at once). For a session
+        found lost: it serves nobody again, and its connection is the library's to close.
+        """
+        self.guard.close_when_quiet(self.close, now_if_idle=now_if_idle)
 
     def forget_after_fork(self) -> None:
         """In a forked child: close this process's copy of the socket, never write to it.

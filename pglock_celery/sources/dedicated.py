@@ -315,6 +315,10 @@ class DedicatedSource(Source):
         if busy and loss.kind is LossKind.LOCK_GONE and session.backend_started is not None:
             deadline = session.statement_deadline
             self._probe(session).end_backend(session, deadline)
+        # Closed as the holder's statement under way ends; an idle one at release, not
+        # now: psycopg skips the COMMIT of a closed connection without a word, and a
+        # holder's transaction() block must see its COMMIT fail.
+        session.retire(now_if_idle=False)
 
     def close(self) -> None:
         with self._mutex:

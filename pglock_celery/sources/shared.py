@@ -258,8 +258,8 @@ class SharedSource(Source):
     def _fail(self, session: LockSession, loss: Loss) -> None:
         """A shared session failed: every lock on it is lost (once), and it leaves the pool.
 
-        Closed when no statement is under way on it (one under way fails, as the
-        session is cut, and closes it).
+        Closed when no statement is under way on it, else by the statement under way
+        as it ends (it fails at once: the session is cut).
         """
         with self._ready:
             holds = list(self._holds.pop(session, {}).values())
@@ -267,11 +267,9 @@ class SharedSource(Source):
                 self._pool.remove(session)
             self._ready.notify_all()
         session.cut()
-        if not session.guard_is_taken():
-            self._discard(session)
-        else:
-            with self._mutex:
-                self._sessions.discard(session)
+        session.retire()  # closed now, or by the statement under way as it ends
+        with self._mutex:
+            self._sessions.discard(session)
         for hold in holds:
             hold.mark_lost(loss)
 
