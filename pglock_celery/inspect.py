@@ -1,8 +1,9 @@
 """Who holds what: advisory locks in pg_locks joined with pg_stat_activity.
 
-:func:`holder` is the public question "who holds this lock?"; it reads
-``pg_locks`` (any holder, hand-rolled code too), so it is never on a per-lock
-path.
+:func:`holder` is the public question "who holds this lock?", and :func:`holder_on`
+the same asked on a lock session (a skip's report, the redelivery decision). Both read
+``pg_locks`` (any holder, hand-rolled code too): who holds a lock is read from the lock,
+never from a session's name. Neither is on the path of a lock taken, checked or released.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from .session import (
     FIELD_SEPARATOR,
     LockSession,
     decode_name,
-    encode_name,
     expand_task_id,
 )
 
@@ -161,16 +161,11 @@ def find_holder(conn: psycopg.Connection, key: int) -> Holder | None:
     return holder_from_row(row) if row is not None else None
 
 
-def named_holder_params(name: str) -> tuple[bytes, bytes]:
-    """The parameters of sql.NAMED_HOLDER for the lock called ``name``."""
-    return encode_name(name).encode(), str(APPLICATION_NAME_MAX_BYTES - 4).encode()
-
-
 def text_holder(key: int, row: list[bytes | None], name: str | None = None) -> Holder:
-    """Build a Holder from a row of sql.NAMED_HOLDER or sql.KEYED_HOLDER (text values).
+    """Build a Holder from a row of sql.KEYED_HOLDER (text values).
 
-    ``name`` is the name the holder was found by; without it, what its
-    application_name says.
+    ``name`` is the name asked for (its key is what the server checked); without it,
+    what the holder's application_name says.
     """
 
     def text(value: bytes | None) -> str | None:
@@ -281,16 +276,13 @@ def list_holders(conn: psycopg.Connection) -> list[Holder]:
 def holder_on(session: LockSession, key: int, label: str) -> Holder | None:
     """Who holds ``label`` now, asked on ``session``; None when nobody can be found.
 
-    Found first by the name in the holders' application_name (pg_stat_activity,
-    never pg_locks: a skip that a library holder explains costs the same with
-    10,000 locks on the server); only when no library holder names it (a
-    hand-rolled holder, a shared session) in pg_locks, by key.
+    Read from the lock itself (pg_locks, granted), never from a session's name: a
+    session named for the lock may only wait for it (``connect`` names a session at
+    open), or have lost it. The holder carries ``label`` whole (its key is what the
+    server checked), as holder() does.
     """
+    fields = key_to_lock_fields(key)
     try:
-        result = session.query(*sql.NAMED_HOLDER, named_holder_params(label))
-        if result.ntuples:
-            return text_holder(key, _first_row(result), label)
-        fields = key_to_lock_fields(key)
         result = session.query(*sql.KEYED_HOLDER, [str(f).encode() for f in fields])
     except psycopg.Error as exc:
         logger.warning(
@@ -300,7 +292,7 @@ def holder_on(session: LockSession, key: int, label: str) -> Holder | None:
             extra={"lock": label, "key": key},
         )
         return None
-    return text_holder(key, _first_row(result)) if result.ntuples else None
+    return text_holder(key, _first_row(result), label) if result.ntuples else None
 
 
 def _first_row(result: pq.abc.PGresult) -> list[bytes | None]:

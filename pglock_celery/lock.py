@@ -321,10 +321,9 @@ class AdvisoryLock:
     def holder(self) -> Holder | None:
         """Return who holds the lock now, asked on this lock's session.
 
-        Found by the name in the holders' application_name (pg_stat_activity: a
-        skip that a library holder explains costs the same with 10,000 locks on
-        the server); only when no library holder names it (a hand-rolled holder, a
-        shared session), by its key in pg_locks. None when nobody holds it.
+        Read from the lock (its key in pg_locks, granted), never from a session's
+        name: a session named for it that only waits is no holder. None when nobody
+        holds it.
         """
         if self._refused_before and self._previous is not None:
             return self._previous.holder()  # a moving name refused on its previous shard

@@ -113,8 +113,8 @@ UNLOCK_SHARED: Statement = (
 
 # Advisory locks are per database; a bigint key shows as classid/objid with
 # objsubid = 1 (two int4 keys use objsubid = 2 and are not ours). Read by the
-# operator's commands and holder(), and (KEYED_HOLDER) by a skip only when no
-# library holder names its lock: never on a per-lock path.
+# operator's commands and holder(), and (KEYED_HOLDER) by a skip that reports its
+# holder: never on the path of a lock that is taken, checked or released.
 _HELD_LOCKS = """
 SELECT l.classid::pg_catalog.int8, l.objid::pg_catalog.int8, a.pid, a.application_name,
        pg_catalog.host(a.client_addr), a.backend_start, a.state_change, a.state
@@ -132,23 +132,12 @@ HOLDER_OF_KEY = (
 )
 #: Every advisory lock of the database, oldest session first.
 ALL_HELD = _HELD_LOCKS + " ORDER BY a.backend_start, a.pid"
-#: The holder of a name, found by the name a lock session carries last in its
-#: application_name (pg_stat_activity: its size is the number of sessions, never
-#: the number of locks). A name cut at 63 bytes matches by the prefix that survived.
-#: $1 the name as application_name shows it, $2 the length from which it is cut.
-NAMED_HOLDER: Statement = (
-    b"pglock_holder",
-    b"SELECT pid, application_name, pg_catalog.host(client_addr),"
-    b" pg_catalog.to_json(backend_start) #>> '{}',"
-    b" pg_catalog.to_json(state_change) #>> '{}', state FROM ("
-    b" SELECT *, substring(application_name from '^(?:[^|]*[|]){4}(.*)$') AS tail"
-    b" FROM pg_catalog.pg_stat_activity WHERE datname = pg_catalog.current_database()"
-    b" AND pid <> pg_catalog.pg_backend_pid()"
-    b") AS a WHERE tail = $1 OR (pg_catalog.octet_length(application_name) >= $2::int"
-    b" AND tail <> '' AND pg_catalog.starts_with($1, tail)) ORDER BY tail = $1 DESC LIMIT 1",
-)
-#: The holder of one key by pg_locks, in NAMED_HOLDER's columns, for a skip that no
-#: library holder explains (a hand-rolled holder, a shared session).
+#: The holder of one key, asked on a lock session (a skip's report, the redelivery
+#: decision): read from the lock (pg_locks, granted), never from a session's name, which a
+#: session carries before it is granted (``connect`` names it at open) and after it lost
+#: the key. Postgres has no cheaper question "does backend P hold key K" for a session
+#: that does not wait (pg_blocking_pids reads one lock's queue, but only for a waiting
+#: backend), so this read grows with the server's lock table (docs/limits.md).
 #: $1 classid, $2 objid (see keys.key_to_lock_fields).
 KEYED_HOLDER: Statement = (
     b"pglock_keyed_holder",
