@@ -15,6 +15,15 @@ session hung in a statement does not stop the others being checked. A thread
 that cannot be started is tried again at the next pass, the check meanwhile run
 by the scheduler itself.
 
+Under gevent's and eventlet's monkey-patching those threads are greenlets, which
+a body that computes without yielding keeps from running. One real OS thread of
+the worker then watches too (Monitor._watch_natively): it never runs a statement
+nor takes a green lock, so it cannot touch a session a greenlet uses; it judges
+from outside (the socket peek, a fenced hold's confirmation) every hold whose
+greenlet check is overdue, and hands a loss to the hub's thread (the main one)
+with INTERRUPT_SIGNAL, whose handler handles it in the body that lost it when
+that body is the greenlet running, and otherwise in a new greenlet of the hub.
+
 A loss (a :class:`~.loss.Loss`, its kind chosen where it was found) is handled
 in one order that nothing cuts short: it is recorded on the hold, the source ends
 the holder's use of the session (a dedicated session is cut, so no statement of
@@ -24,7 +33,8 @@ interrupt).
 
 A :class:`Body` is the code running under a hold, and how to raise LockLost
 inside it from the thread that found the loss (``pglock_on_lost = "interrupt"``):
-a greenlet (gevent, eventlet) is thrown into by its hub; the main thread
+a greenlet (gevent, eventlet) is thrown into by its hub, or, running when the
+native watch signals, has LockLost raised by the signal handler; the main thread
 (prefork and solo pools) gets a signal whose handler raises; another thread
 (the threads pool) gets an asynchronous exception, which CPython raises at its
 next bytecode (not inside a blocking C call such as ``time.sleep``: it comes
@@ -39,11 +49,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import queue
 import signal
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from types import FrameType
@@ -53,7 +65,7 @@ import psycopg
 
 from .config import PglockConfig
 from .exceptions import LockLost, lost_during_step
-from .loss import Loss, LossKind
+from .loss import Loss, LossKind, session_ended
 from .session import LockSession
 from .shield import running_body
 
@@ -130,12 +142,21 @@ class Hold:
         # Set at release or loss; made only when someone waits (most holds end unwatched).
         self._changed: threading.Event | None = None
         self._next_check = 0.0
+        #: The check interval, as last asked of the source (the native watch reads it:
+        #: the source may take a green lock to answer).
+        self._interval = config.check_interval
         self._checking = False
         #: The monitor found its leader confirmation run out (handled once).
         self._ran_out = False
         # Orders a loss against the end (never held across a statement: a holder's
         # statement may wait on a server that never answers).
         self._state = threading.Lock()
+        #: Under gevent and eventlet: the greenlet that took the hold (its body runs
+        #: there), the OS thread of its hub, and a loss the native watch found that
+        #: the hub has yet to handle (Monitor._hand_back).
+        self._greenlet, self._os_thread = _where_am_i()
+        self._handed_back: Loss | None = None
+        self._spawned = False
 
     def end(self) -> None:
         """The hold is over (released, or given up in a forked child)."""
@@ -246,6 +267,11 @@ class Monitor:
         #: Bodies of the main thread told to stop, for the signal handler to raise in.
         self.interrupted: list[Body] = []
         self.interrupt_handler_installed = False
+        #: Under gevent and eventlet: the OS thread the native watch signals (the main
+        #: thread, whose hub runs the bodies), once the watch runs; and the holds it
+        #: found lost, for the signal handler to hand to the hub.
+        self._watch_signals: int | None = None
+        self._handed: dict[int, Hold] = {}
 
     def install_interrupt_handler(self) -> None:
         """Install (from the main thread) the handler that raises LockLost in its body."""
@@ -253,6 +279,8 @@ class Monitor:
         self.interrupt_handler_installed = True
 
     def _on_interrupt_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._handed:
+            self._take_handed_back()
         while self.interrupted:
             body = self.interrupted.pop()
             if body.arrived():
@@ -273,7 +301,7 @@ class Monitor:
         The scheduler is woken only when it sleeps or must quicken its pace: most
         holds end before their first check and cost no thread switch.
         """
-        interval = hold.source.check_interval(hold)
+        interval = hold._interval = hold.source.check_interval(hold)
         hold._next_check = hold.since + interval
         with self._cond:
             self._holds[id(hold)] = hold
@@ -281,6 +309,8 @@ class Monitor:
                 self._start_scheduler()
             elif self._asleep or interval / 4 < self._tick:
                 self._cond.notify()
+        if self._watch_signals is None and hold._os_thread is not None:
+            self._start_native_watch()
 
     def unwatch(self, hold: Hold) -> None:
         with self._cond:
@@ -314,6 +344,120 @@ class Monitor:
             logger.error("the lock monitor thread could not be started: %s", exc)
             return
         self._running = True
+
+    # -- the native watch (gevent, eventlet) -------------------------------------------
+
+    def _start_native_watch(self) -> None:
+        """Under gevent's or eventlet's monkey-patching, watch from a real OS thread too.
+
+        The scheduler and checker threads above are greenlets then: a body that
+        computes without yielding keeps the hub, and them, from running. The native
+        watch cannot be starved so (the interpreter switches OS threads whatever a
+        greenlet does). It never takes a green lock nor runs a statement: it reads
+        what needs no I/O (a socket peek, a fenced hold's confirmation), and hands a
+        loss to the main thread with INTERRUPT_SIGNAL, whose handler runs in the
+        greenlet running there (see _take_handed_back). Started by the first hold
+        watched in the main thread: there the hub runs the pool's bodies, and only
+        there can the handler be installed; elsewhere the greenlet checks alone watch.
+        """
+        native = _native()
+        if native is None:
+            return
+        start_new_thread, sleep, get_ident = native
+        try:
+            signal.signal(INTERRUPT_SIGNAL, self._on_interrupt_signal)
+        except ValueError:
+            return  # not the main thread: the greenlet checks alone watch (the next hold tries)
+        self.interrupt_handler_installed = True
+        self._watch_signals = get_ident()
+        try:
+            start_new_thread(self._watch_natively, (self._cond, sleep))
+        except RuntimeError as exc:
+            logger.error("the lock monitor's native thread could not be started: %s", exc)
+            self._watch_signals = None
+
+    def _watch_natively(self, cond: Any, sleep: Callable[[float], None]) -> None:
+        """Each pass, judge every hold whose greenlet check is overdue; signal the losses."""
+        while cond is self._cond:  # a forked child's copy of a thread that is not there
+            now = time.monotonic()
+            holds = list(self._holds.values())
+            tick = min([self.MAX_TICK] + [hold._interval / 4 for hold in holds])
+            for hold in holds:
+                if hold._handed_back is None and hold._os_thread == self._watch_signals:
+                    try:
+                        loss = self._judge_natively(hold, now, tick)
+                    except Exception:
+                        # Judged again next pass; not logged: a log handler's lock is a
+                        # green one here, which this thread must never wait for.
+                        continue
+                    if loss is not None:
+                        self._hand_back(hold, loss)
+            if self._handed and self._watch_signals is not None:
+                # Again each pass until the hub has the losses: the handler may have
+                # come while the body was inside the library's code.
+                signal.pthread_kill(self._watch_signals, INTERRUPT_SIGNAL)
+            sleep(tick)
+
+    def _judge_natively(self, hold: Hold, now: float, tick: float) -> Loss | None:
+        """How ``hold`` is lost, judged without I/O or a green lock: its confirmation as
+        the leader running out (as the scheduler judges it), or, once its greenlet
+        check is due and not done (the hub starved, or that check under way), its
+        session ended by the server."""
+        session = hold.session
+        if not hold.granted or hold.ended or hold.lost is not None or session is None:
+            return None
+        if session.pid != os.getpid():
+            return None  # a parent's session (alive() would call it gone)
+        until = hold.source.confirmed_until(hold)
+        if until is not None and now >= until - tick:
+            return _ran_out()
+        if now < hold._next_check:
+            return None
+        if not session.alive(take_guard=False):
+            return session_ended("the lock session failed: the server closed it")
+        return None
+
+    def _hand_back(self, hold: Hold, loss: Loss) -> None:
+        hold._handed_back = loss
+        self._handed[id(hold)] = hold
+
+    def _take_handed_back(self) -> None:
+        """In the main thread (INTERRUPT_SIGNAL's handler): handle what the native watch
+        found, in whichever greenlet runs there now.
+
+        The greenlet running is the body of a lost hold (its lock was taken there,
+        and it runs its own code, not the library's): the loss is handled here, whole,
+        and LockLost raised where that body is. Any other (the hub, another body) is
+        never interrupted: the loss is handled by a new greenlet, which the hub runs
+        as soon as it can; its body then gets LockLost from the hub (Body.interrupt),
+        and a body inside the library's code gets it as that code returns.
+        """
+        current = _current_greenlet()
+        body = running_body.get()
+        here: Hold | None = None
+        for key, hold in list(self._handed.items()):
+            if hold.lost is not None or hold.ended:
+                self._handed.pop(key, None)
+            elif here is None and _runs_its_own_code(hold, current, body):
+                self._handed.pop(key, None)
+                here = hold
+            elif not hold._spawned:
+                hold._spawned = True
+                _spawn(hold.mark_lost, hold._handed_back)
+        if here is None:
+            return
+        assert isinstance(body, Body)
+        bodies = body.chain()
+        told_before = [each.reason is not None for each in bodies]
+        loss = here._handed_back
+        assert loss is not None
+        try:
+            here.mark_lost(loss)
+        except Exception:
+            logger.exception("lock %s: handling its loss failed", here.label)
+        for each, told in zip(bodies, told_before, strict=True):
+            if not told and each.reason is not None and each.running:
+                raise each.lost()
 
     def _schedule(self) -> None:
         cond = self._cond
@@ -364,11 +508,7 @@ class Monitor:
         before the window closes, on a thread of its own (the holder's loss handler may
         take a while, and this thread keeps time for every hold)."""
         hold._ran_out = True
-        loss = Loss(
-            LossKind.CANNOT_TELL,
-            "its server's confirmation as the cluster's leader runs out before a check "
-            "could renew it (the checks were held up)",
-        )
+        loss = _ran_out()
         try:
             threading.Thread(
                 target=hold.mark_lost, args=(loss,), name="pglock-ran-out", daemon=True
@@ -425,7 +565,8 @@ class Monitor:
         except Exception:
             logger.exception("lock %s: the loss check failed", hold.label)
         finally:
-            hold._next_check = time.monotonic() + hold.source.check_interval(hold)
+            hold._interval = hold.source.check_interval(hold)
+            hold._next_check = time.monotonic() + hold._interval
             hold._checking = False
 
     def after_fork_in_child(self) -> None:
@@ -439,6 +580,8 @@ class Monitor:
         self.abandoned.clear()
         self._losses_lock = threading.Lock()
         self.interrupted = []
+        self._watch_signals = None
+        self._handed = {}
 
 
 #: The signal that interrupts a body running in the main thread (a real-time one: no
@@ -469,6 +612,7 @@ class Body:
         self._inside = 0
         self._held_back = False
         self._context_token: Any = None
+        self._outer: Body | None = None
         # What runs the body: a gevent or eventlet greenlet, the main thread, a thread.
         self._kind: str = "thread"
         self._target: Any = threading.get_ident()
@@ -486,8 +630,19 @@ class Body:
 
     def start(self) -> None:
         """The body starts (in its own thread or greenlet): it may be interrupted now."""
+        outer = running_body.get()
+        self._outer = outer if isinstance(outer, Body) else None
         self._context_token = running_body.set(self)
         self.running = True
+
+    def chain(self) -> list[Body]:
+        """This body, then those it runs inside (a locked call made inline in a body)."""
+        bodies: list[Body] = []
+        body: Body | None = self
+        while body is not None:
+            bodies.append(body)
+            body = body._outer
+        return bodies
 
     def _is_here(self) -> bool:
         """Whether the caller runs in the body's own thread or greenlet."""
@@ -602,4 +757,79 @@ def _async_raise(thread_id: int, exception: type[BaseException]) -> None:
     """Have CPython raise ``exception`` in thread ``thread_id`` at its next bytecode."""
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(thread_id), ctypes.py_object(exception)
+    )
+
+
+def _ran_out() -> Loss:
+    """A fenced hold whose leader confirmation runs out before a check could renew it."""
+    return Loss(
+        LossKind.CANNOT_TELL,
+        "its server's confirmation as the cluster's leader runs out before a check "
+        "could renew it (the checks were held up)",
+    )
+
+
+def _green_library() -> str | None:
+    """ "gevent" or "eventlet" when its monkey-patching made threads greenlets, else None."""
+    gevent = sys.modules.get("gevent.monkey")
+    if gevent is not None and gevent.is_module_patched("threading"):
+        return "gevent"
+    eventlet = sys.modules.get("eventlet.patcher")
+    if eventlet is not None and eventlet.is_monkey_patched("thread"):
+        return "eventlet"
+    return None
+
+
+def _native() -> tuple[Callable[..., Any], Callable[[float], None], Callable[[], int]] | None:
+    """Under monkey-patching: the unpatched start_new_thread, sleep and get_ident."""
+    green = _green_library()
+    if green == "gevent":
+        from gevent.monkey import get_original  # type: ignore[import-untyped]
+
+        start, ident = get_original("_thread", ["start_new_thread", "get_ident"])
+        return start, get_original("time", "sleep"), ident
+    if green == "eventlet":
+        from eventlet.patcher import original  # type: ignore[import-untyped]
+
+        thread = original("_thread")
+        return thread.start_new_thread, original("time").sleep, thread.get_ident
+    return None
+
+
+def _current_greenlet() -> Any:
+    greenlet = sys.modules.get("greenlet")
+    return greenlet.getcurrent() if greenlet is not None else None
+
+
+def _where_am_i() -> tuple[weakref.ref[Any] | None, int | None]:
+    """Under monkey-patching: the current greenlet (weakly: a hold keeps nothing of its
+    body alive) and the ident of its OS thread."""
+    native = _native()
+    if native is None:
+        return None, None
+    return weakref.ref(_current_greenlet()), native[2]()
+
+
+def _spawn(function: Callable[..., Any], *args: Any) -> None:
+    """Run ``function`` in a new greenlet of the hub of this thread (never waits)."""
+    if _green_library() == "gevent":
+        import gevent
+
+        gevent.spawn(function, *args)
+    else:
+        import eventlet
+
+        eventlet.spawn_n(function, *args)
+
+
+def _runs_its_own_code(hold: Hold, current: object | None, body: object) -> bool:
+    """Whether the greenlet running now is ``hold``'s body, in its own code (not the
+    library's): the one place a loss the native watch found may raise at once."""
+    return (
+        current is not None
+        and hold._greenlet is not None
+        and hold._greenlet() is current
+        and isinstance(body, Body)
+        and body.running
+        and not body._inside
     )
