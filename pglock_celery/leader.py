@@ -19,7 +19,9 @@ meanwhile (G12). The lock path (sources/, session.py, task.py) knows only this m
 Patroni is the one implementation (patroni.py, chosen by ``pglock_patroni_url``).
 Another source (a Kubernetes lease, pg_auto_failover's monitor, a managed service's
 endpoint) plugs in by implementing :class:`LeaderSource` (with a ``parse_setting`` for
-its setting's value) and a row in :data:`SOURCES`; it needs a safety argument of the
+its setting's value, and a ``from_setting(value, config)`` that builds it, reading any
+setting of its own, such as Patroni's TLS files, from the configuration) and a row in
+:data:`SOURCES`; it needs a safety argument of the
 kind patroni.py gives: while ``confirm`` returns a confirmation valid at some moment, no
 other server can have been promoted by then.
 """
@@ -136,7 +138,8 @@ class LeaderSource(Protocol):
 
     def problem(self, wanted: float) -> str | None:
         """Why no lock can be kept under this source with check interval ``wanted``
-        (a message with the fix), or None; asked at worker start."""
+        (a message with the fix, not naming the setting: the caller names it as the
+        project wrote it), or None; asked at worker start."""
         ...
 
     def after_fork_in_child(self) -> None:
@@ -170,12 +173,29 @@ class Settings(Protocol):
     @property
     def patroni_url(self) -> tuple[str, ...] | None: ...
 
+    @property
+    def patroni_cafile(self) -> str | None: ...
+
+    @property
+    def patroni_certfile(self) -> str | None: ...
+
+    @property
+    def patroni_keyfile(self) -> str | None: ...
+
+
+def leader_setting(config: Settings) -> str | None:
+    """The setting (``patroni_url``) that gives ``config`` its leader source, if any."""
+    for setting, _, _ in SOURCES:
+        if getattr(config, setting):
+            return setting
+    return None
+
 
 def leader_source(config: Settings) -> LeaderSource | None:
     """The leader source ``config`` names, or None when its locks are not fenced."""
     for setting, _, _ in SOURCES:
         value = getattr(config, setting)
         if value:
-            source: LeaderSource = _implementation(setting)(value)
+            source: LeaderSource = _implementation(setting).from_setting(value, config)
             return source
     return None

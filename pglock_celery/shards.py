@@ -30,6 +30,7 @@ from typing import Any
 
 from .dsn import dsn_problem
 from .leader import parse_setting as parse_leader_setting
+from .tls import TLS_SETTINGS, readable_file, tls_context
 
 __all__ = ["DEFAULT", "Shard", "parse_rule", "parse_shards", "rendezvous"]
 
@@ -51,6 +52,10 @@ class Shard:
     name: str
     dsn: str = dataclasses.field(repr=False)
     patroni_url: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)
+    #: The TLS files of its cluster's REST API (tls.py); unset: the map's own settings.
+    patroni_cafile: str | None = None
+    patroni_certfile: str | None = None
+    patroni_keyfile: str | None = None
 
 
 #: How a moved shard's database of the previous map is named beside the new one's.
@@ -77,9 +82,11 @@ def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def parse_shards(raw: Any) -> tuple[Shard, ...] | None:
     """``pglock_shards``'s value: a mapping (or its JSON text, the environment's form)
-    of shard name to a DSN, or to ``{"dsn": ..., "patroni_url": ...}``, or to a pair
-    ``(dsn, patroni_url)``. None when unset. ValueError saying which shard is wrong and
-    why, never quoting a DSN."""
+        of shard name to a DSN, or to ``{"dsn": ..., "patroni_url": ...}`` (with the
+    ``patroni_cafile``, ``patroni_certfile`` and ``patroni_keyfile`` of its cluster's REST
+    API if they differ from the map's settings), or to a pair
+        ``(dsn, patroni_url)``. None when unset. ValueError saying which shard is wrong and
+        why, never quoting a DSN."""
     if raw is None or raw == "":
         return None
     if isinstance(raw, tuple) and raw and all(isinstance(shard, Shard) for shard in raw):
@@ -105,7 +112,7 @@ def parse_shards(raw: Any) -> tuple[Shard, ...] | None:
                 "starting with a letter or digit"
             )
         dsn, urls = _shard_value(name, value)
-        shards.append(Shard(name, dsn, urls))
+        shards.append(Shard(name, dsn, urls, *_shard_tls(name, value)))
     return tuple(shards)
 
 
@@ -123,9 +130,12 @@ def _shard_value(name: str, value: Any) -> tuple[str, tuple[str, ...] | None]:
     if isinstance(value, str):
         dsn, urls = value, None
     elif isinstance(value, Mapping):
-        unknown = set(value) - {"dsn", "patroni_url"}
+        unknown = set(value) - {"dsn", "patroni_url", *TLS_SETTINGS}
         if unknown:
-            raise ValueError(f"shard {name!r}: unknown keys {sorted(unknown)} (dsn, patroni_url)")
+            raise ValueError(
+                f"shard {name!r}: unknown keys {sorted(unknown)} "
+                f"({', '.join(('dsn', 'patroni_url', *TLS_SETTINGS))})"
+            )
         dsn, urls = value.get("dsn"), value.get("patroni_url")
     elif isinstance(value, (list, tuple)) and len(value) == 2:
         dsn, urls = value
@@ -144,6 +154,23 @@ def _shard_value(name: str, value: Any) -> tuple[str, tuple[str, ...] | None]:
         return dsn, parse_leader_setting("patroni_url", urls)
     except ValueError as exc:
         raise ValueError(f"shard {name!r}: its patroni_url: {exc}") from None
+
+
+def _shard_tls(name: str, value: Any) -> tuple[str | None, ...]:
+    """A shard's own TLS files for its Patroni REST API (a mapping's keys), checked."""
+    if not isinstance(value, Mapping):
+        return (None,) * len(TLS_SETTINGS)
+    files = []
+    for setting in TLS_SETTINGS:
+        try:
+            files.append(readable_file(value.get(setting)))
+        except ValueError as exc:
+            raise ValueError(f"shard {name!r}: its {setting}: {exc}") from None
+    try:
+        tls_context(*files)
+    except ValueError as exc:
+        raise ValueError(f"shard {name!r}: {exc}") from None
+    return tuple(files)
 
 
 def parse_rule(raw: Any) -> Rule | None:

@@ -15,7 +15,8 @@ from tests.support.ci import missing
 from tests.support.patroni import ClusterUnavailable, PatroniCluster, ensure_tools
 
 
-def _require_tools() -> None:
+def require_tools() -> None:
+    """Skip (fail in CI) where this machine cannot run a Patroni cluster."""
     try:
         ensure_tools()
     except ClusterUnavailable as exc:
@@ -25,7 +26,7 @@ def _require_tools() -> None:
 @pytest.fixture(scope="module")
 def patroni() -> Iterator[PatroniCluster]:
     """A healthy 3-member cluster shared by a module's tests, stopped at its end."""
-    _require_tools()
+    require_tools()
     cluster = PatroniCluster()
     try:
         cluster.start()
@@ -37,7 +38,7 @@ def patroni() -> Iterator[PatroniCluster]:
 @pytest.fixture
 def new_patroni() -> Iterator[Callable[..., PatroniCluster]]:
     """Start a cluster of the test's own on demand; every one is stopped at the end."""
-    _require_tools()
+    require_tools()
     started: list[PatroniCluster] = []
 
     def start(**options: Any) -> PatroniCluster:

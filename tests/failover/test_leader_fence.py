@@ -293,7 +293,11 @@ def test_a_worker_refuses_to_start_when_no_check_interval_fits_the_clusters_wind
 
     assert configuration_problems(app) == []  # the tests' timing fits
     with timing(patroni, ttl=26, loop_wait=10, retry_timeout=5):
-        [problem] = configuration_problems(app)
+        # The check before read the timing into the fence's cache, kept up to its
+        # config_max_age: the new timing is read once that has run out.
+        [problem] = wait_until(
+            lambda: configuration_problems(app), 30, "the new timing read by the fence"
+        )
     assert problem.startswith("pglock_patroni_url: Patroni's ttl 26 s"), problem
     assert "raise ttl to at least 30" in problem, problem
 

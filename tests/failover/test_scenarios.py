@@ -2,12 +2,16 @@
 
 Each scenario starts a 3-member Patroni + etcd cluster of its own (ttl 20 s, loop_wait
 2 s, retry_timeout 4 s, or Patroni's defaults 30/10/10 where the scenario says so;
-synchronous_mode and synchronous_mode_strict), guards a table,
+synchronous_mode and synchronous_mode_strict; REST APIs over HTTPS with a private CA and
+``verify_client: required`` where it says so, the clients given the CA and a client
+certificate by pglock_patroni_cafile/_certfile/_keyfile alone), guards a table,
 and starts CLIENTS client processes (tests/failover/client.py: the public API only)
 whose multi-host DSNs list the members in every order with
-target_session_attrs=read-write; half of them open a session per lock (strategy
-connect), half reuse theirs. Once every client has written, the event strikes the
-primary; the clients run on until locks are granted again and the cluster has settled.
+target_session_attrs=read-write (by address, or by the name ``localhost`` where the
+scenario says so: the fence knows servers by identity, not by how a DSN spells them);
+half of them open a session per lock (strategy connect), half reuse theirs. Once every
+client has written, the event strikes the primary; the clients run on until locks are
+granted again and the cluster has settled.
 Then, from every client's records (CLOCK_MONOTONIC, one clock for all):
 
 - 0 overlapping holds of one name (a hold runs from its grant to when its client
@@ -94,6 +98,11 @@ class Scenario:
     rogue: bool = False
     #: Another member must lead before locks count as granted again.
     moves_leader: bool = False
+    #: How the clients' DSNs name the members' hosts (Patroni reports 127.0.0.1).
+    host: str = "127.0.0.1"
+    #: The REST APIs are HTTPS with a private CA and verify_client: required; the
+    #: clients' fences get the CA and a client certificate from the pglock settings.
+    tls: bool = False
 
     @property
     def ttl(self) -> int:
@@ -173,11 +182,13 @@ def stop_postgres(cluster: PatroniCluster, leader: Member) -> Callable[[], None]
 SCENARIOS = [
     Scenario("switchover", switchover, 0.0),
     Scenario("sigkill-postgres", kill_postgres, 0.0),
-    Scenario("sigkill-patroni", kill_patroni, 0.0),
+    # Over HTTPS: what sigkill-patroni was over HTTP (defaults-sigkill-patroni keeps that).
+    Scenario("https-verify-client-sigkill-patroni", kill_patroni, 0.0, tls=True),
     Scenario("sigstop-patroni-25s", stop_patroni, PAUSE + 5),
     Scenario("sigstop-postgres-25s", stop_postgres, PAUSE + 5),
     Scenario("defaults-sigkill-patroni", kill_patroni, 0.0, dcs=PATRONI_DEFAULTS),
     Scenario("leader-cut-from-etcd", cut_from_etcd, 0.0, etcd_relays=True, moves_leader=True),
+    Scenario("switchover-hosts-by-name", switchover, 0.0, host="localhost"),
     Scenario(
         "replica-promoted-behind-paused-patroni",
         promote_behind_paused_patroni,
@@ -248,8 +259,11 @@ class LeaderWatch:
 
 
 @contextlib.contextmanager
-def clients(cluster: PatroniCluster, dsn_db: str, base: Path) -> Iterator[list[Path]]:
-    """Start CLIENTS client processes, one host order each; yield their record files."""
+def clients(
+    cluster: PatroniCluster, dsn_db: str, base: Path, host: str = "127.0.0.1"
+) -> Iterator[list[Path]]:
+    """Start CLIENTS client processes, one host order each, their DSNs naming the hosts
+    ``host``; yield their record files."""
     stop = base / "stop"
     outs: list[Path] = []
     procs: list[subprocess.Popen[bytes]] = []
@@ -260,13 +274,14 @@ def clients(cluster: PatroniCluster, dsn_db: str, base: Path) -> Iterator[list[P
         PGLOCK_PATRONI_URL=cluster.urls,
         PGLOCK_CONNECT_TIMEOUT="2",
         PYTHONPATH=str(ROOT),
+        **cluster.tls_settings(),
     )
     orders = itertools.cycle(itertools.permutations(range(len(cluster.members))))
     try:
         for client in range(CLIENTS):
             out = base / f"client-{client}.jsonl"
             outs.append(out)
-            dsn = cluster.dsn(next(orders), dbname=dsn_db)
+            dsn = cluster.dsn(next(orders), dbname=dsn_db, host=host)
             # Half the clients open a session per lock (a new session goes to the first
             # host of its list that accepts writes), half reuse their sessions.
             env["PGLOCK_STRATEGY"] = "connect" if client % 2 == 0 else "reuse"
@@ -323,7 +338,7 @@ def test_failover(
     new_patroni: Callable[..., PatroniCluster],
     tmp_path: Path,
 ) -> None:
-    cluster = new_patroni(dcs=scenario.dcs, etcd_relays=scenario.etcd_relays)
+    cluster = new_patroni(dcs=scenario.dcs, etcd_relays=scenario.etcd_relays, tls=scenario.tls)
     leader = wait_until(cluster.leader, 60, "a leader")
     with psycopg.connect(leader.dsn, autocommit=True) as conn:
         conn.execute("CREATE DATABASE fo")
@@ -336,7 +351,7 @@ def test_failover(
     rogue = RogueWatch(rogue_of(cluster, leader)) if scenario.rogue else None
     undo: Callable[[], None] | None = None
     try:
-        with clients(cluster, "fo", tmp_path) as outs:
+        with clients(cluster, "fo", tmp_path, scenario.host) as outs:
             wait_until(lambda: acked_by_each(outs), 60, "every client to write")
             time.sleep(WARMUP)  # a steady state before the event, not a synchronisation
             event = time.monotonic()

@@ -26,6 +26,7 @@ import os
 import pwd
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -134,10 +135,50 @@ def ensure_tools() -> None:
         raise ClusterUnavailable("cannot start a Patroni cluster, missing: " + ", ".join(missing))
 
 
-def get_json(url: str, timeout: float = 2.0) -> tuple[int, Any]:
+def make_tls(where: Path) -> dict[str, Path]:
+    """A private CA and two certificates it signs, made with openssl in ``where``: one for
+    the members' REST APIs (127.0.0.1 and localhost; for their calls to each other too),
+    one for the client. The files by the names the pglock settings give them
+    (``patroni_cafile``, ...) and Patroni's own (``server_certfile``, ...)."""
+    where.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=where)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+            "-subj", "/CN=pglock test CA",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign")  # fmt: skip
+    for name, usage, names in (
+        ("server", "serverAuth,clientAuth", "IP:127.0.0.1,DNS:localhost"),
+        ("client", "clientAuth", "DNS:pglock-client"),
+    ):
+        (where / f"{name}.ext").write_text(
+            f"subjectAltName={names}\nextendedKeyUsage={usage}\n"
+            "keyUsage=critical,digitalSignature\n"
+            "authorityKeyIdentifier=keyid,issuer\nsubjectKeyIdentifier=hash\n"
+        )
+        openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN=pglock test {name}")  # fmt: skip
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                "-CAcreateserial", "-days", "2", "-out", f"{name}.crt",
+                "-extfile", f"{name}.ext")  # fmt: skip
+    return {
+        "patroni_cafile": where / "ca.crt",
+        "patroni_certfile": where / "client.crt",
+        "patroni_keyfile": where / "client.key",
+        "server_certfile": where / "server.crt",
+        "server_keyfile": where / "server.key",
+    }
+
+
+def get_json(
+    url: str, timeout: float = 2.0, context: ssl.SSLContext | None = None
+) -> tuple[int, Any]:
     """GET ``url``: (HTTP status, parsed body or None); (0, None) when nothing answered."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
             status, body = response.status, response.read()
     except urllib.error.HTTPError as exc:
         status, body = exc.code, exc.read()
@@ -149,13 +190,18 @@ def get_json(url: str, timeout: float = 2.0) -> tuple[int, Any]:
         return status, None
 
 
-def post_json(url: str, payload: dict[str, Any], timeout: float = 30.0) -> tuple[int, str]:
+def post_json(
+    url: str,
+    payload: dict[str, Any],
+    timeout: float = 30.0,
+    context: ssl.SSLContext | None = None,
+) -> tuple[int, str]:
     request = urllib.request.Request(
         url, data=json.dumps(payload).encode(), method="POST",
         headers={"Content-Type": "application/json"},
     )  # fmt: skip
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
@@ -170,6 +216,8 @@ class Member:
     api_port: int
     base: Path
     process: subprocess.Popen[bytes] | None = None
+    #: The tests' TLS context for an HTTPS REST API (PatroniCluster(tls=True)).
+    context: ssl.SSLContext | None = None
     log: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -177,7 +225,8 @@ class Member:
 
     @property
     def api_url(self) -> str:
-        return f"http://127.0.0.1:{self.api_port}"
+        scheme = "https" if self.context is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.api_port}"
 
     @property
     def data(self) -> Path:
@@ -200,7 +249,7 @@ class Member:
         return pid if psutil.pid_exists(pid) else None
 
     def status(self, path: str = "/patroni", timeout: float = 2.0) -> tuple[int, Any]:
-        return get_json(self.api_url + path, timeout)
+        return get_json(self.api_url + path, timeout, self.context)
 
     def is_leader(self, timeout: float = 2.0) -> bool:
         return self.status("/leader", timeout)[0] == 200
@@ -210,10 +259,17 @@ class PatroniCluster:
     """A Patroni cluster of ``size`` members and one etcd, all on 127.0.0.1."""
 
     def __init__(
-        self, size: int = 3, dcs: dict[str, Any] | None = None, *, etcd_relays: bool = False
+        self,
+        size: int = 3,
+        dcs: dict[str, Any] | None = None,
+        *,
+        etcd_relays: bool = False,
+        tls: bool = False,
     ) -> None:
         """``dcs`` changes DCS_CONFIG's keys; with ``etcd_relays`` each member reaches
-        etcd through a relay of its own (cut_from_etcd)."""
+        etcd through a relay of its own (cut_from_etcd); with ``tls`` the REST APIs are
+        HTTPS with a private CA and ``verify_client: required`` (make_tls; the client's
+        files in :attr:`tls_files`)."""
         self.size = size
         self.dcs = {**DCS_CONFIG, **(dcs or {})}
         self.etcd_relays = etcd_relays
@@ -230,6 +286,25 @@ class PatroniCluster:
         ]
         #: Seconds from the first process started to a healthy cluster (see start()).
         self.start_seconds: float | None = None
+        #: With tls: the CA, server and client files (make_tls), else empty.
+        self.tls_files: dict[str, Path] = {}
+        self.context: ssl.SSLContext | None = None
+        if tls:
+            self.tls_files = make_tls(self.base / "tls")
+            self.context = ssl.create_default_context(cafile=self.tls_files["patroni_cafile"])
+            self.context.load_cert_chain(
+                self.tls_files["patroni_certfile"], self.tls_files["patroni_keyfile"]
+            )
+            for member in self.members:
+                member.context = self.context
+
+    def tls_settings(self) -> dict[str, str]:
+        """The environment that gives a pglock fence this cluster's TLS files."""
+        return {
+            f"PGLOCK_{name.upper()}": str(self.tls_files[name])
+            for name in ("patroni_cafile", "patroni_certfile", "patroni_keyfile")
+            if name in self.tls_files
+        }
 
     # -- start and stop -------------------------------------------------------------
 
@@ -269,7 +344,11 @@ class PatroniCluster:
             "restapi": {
                 "listen": f"127.0.0.1:{member.api_port}",
                 "connect_address": f"127.0.0.1:{member.api_port}",
+                **self._restapi_tls(),
             },
+            # Its own calls to the other members' REST APIs (POST /failsafe, the leader
+            # race's GET /patroni) show the same certificate.
+            **({"ctl": self._ctl_tls()} if self.tls_files else {}),
             "etcd3": self._etcd(member),
             "bootstrap": {
                 "dcs": self.dcs,
@@ -294,6 +373,23 @@ class PatroniCluster:
                 "pg_hba": hba,
             },
             "tags": {"nofailover": False, "noloadbalance": False},
+        }
+
+    def _restapi_tls(self) -> dict[str, str]:
+        if not self.tls_files:
+            return {}
+        return {
+            "certfile": str(self.tls_files["server_certfile"]),
+            "keyfile": str(self.tls_files["server_keyfile"]),
+            "cafile": str(self.tls_files["patroni_cafile"]),
+            "verify_client": "required",
+        }
+
+    def _ctl_tls(self) -> dict[str, str]:
+        return {
+            "cacert": str(self.tls_files["patroni_cafile"]),
+            "certfile": str(self.tls_files["server_certfile"]),
+            "keyfile": str(self.tls_files["server_keyfile"]),
         }
 
     def _etcd(self, member: Member) -> dict[str, Any]:
@@ -324,22 +420,15 @@ class PatroniCluster:
         ensure_tools()
         self.base.chmod(0o755)
         self._own(self.base)
+        if self.tls_files:  # Patroni's account reads its key
+            self._own(self.base / "tls")
+            for path in (self.base / "tls").iterdir():
+                self._own(path)
         started = time.monotonic()
         etcd_dir = self.base / "etcd"
         etcd_dir.mkdir()
         self._own(etcd_dir)
-        client = f"http://127.0.0.1:{self.etcd_port}"
-        peer = f"http://127.0.0.1:{self.etcd_peer_port}"
-        self.etcd = self._spawn(
-            [ETCD, "--name", "etcd0", "--data-dir", str(etcd_dir / "data"),
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"etcd0={peer}", "--initial-cluster-state", "new",
-             "--enable-v2=false", "--unsafe-no-fsync", "--log-level", "warn"],
-            etcd_dir / "etcd.log",
-        )  # fmt: skip
-        wait_until(lambda: get_json(client + "/health", 1.0)[0] == 200 or self._died(), 30, "etcd")
-        self._check_alive()
+        self.start_etcd()
         if self.etcd_relays:
             self.relays = {member.name: Relay(self.etcd_port) for member in self.members}
         # json is YAML: Patroni reads it as its configuration file.
@@ -356,6 +445,29 @@ class PatroniCluster:
             )
         self.wait_healthy(timeout)
         self.start_seconds = time.monotonic() - started
+
+    def start_etcd(self) -> None:
+        """Start etcd (again: its data dir keeps the leader key and its lease) and wait
+        until it answers."""
+        etcd_dir = self.base / "etcd"
+        client = f"http://127.0.0.1:{self.etcd_port}"
+        peer = f"http://127.0.0.1:{self.etcd_peer_port}"
+        self.etcd = self._spawn(
+            [ETCD, "--name", "etcd0", "--data-dir", str(etcd_dir / "data"),
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"etcd0={peer}", "--initial-cluster-state", "new",
+             "--enable-v2=false", "--unsafe-no-fsync", "--log-level", "warn"],
+            etcd_dir / "etcd.log",
+        )  # fmt: skip
+        wait_until(lambda: get_json(client + "/health", 1.0)[0] == 200 or self._died(), 30, "etcd")
+        self._check_alive()
+
+    def kill_etcd(self) -> None:
+        """SIGKILL etcd by its pid (a DCS outage for every member) and reap it."""
+        assert self.etcd is not None
+        _signal(self.etcd.pid, signal.SIGKILL)
+        self.etcd.wait(10)
 
     def _died(self) -> bool:
         procs = [self.etcd, *(m.process for m in self.members)]
@@ -455,10 +567,13 @@ class PatroniCluster:
         """The value of pglock_patroni_url for this cluster."""
         return ",".join(m.api_url for m in self.members)
 
-    def dsn(self, order: Sequence[int] | None = None, dbname: str = "postgres") -> str:
-        """A multi-host DSN listing the members in ``order``, read-write target."""
+    def dsn(
+        self, order: Sequence[int] | None = None, dbname: str = "postgres", host: str = "127.0.0.1"
+    ) -> str:
+        """A multi-host DSN listing the members in ``order``, read-write target; each by
+        ``host`` (``localhost``: by name, where Patroni reports 127.0.0.1)."""
         order = range(len(self.members)) if order is None else order
-        hosts = ",".join("127.0.0.1" for _ in order)
+        hosts = ",".join(host for _ in order)
         ports = ",".join(str(self.members[i].pg_port) for i in order)
         return (
             f"host={hosts} port={ports} user=postgres dbname={dbname} "
@@ -478,7 +593,10 @@ class PatroniCluster:
                 member.api_url + "/config", data=json.dumps(changes).encode(), method="PATCH",
                 headers={"Content-Type": "application/json"},
             )  # fmt: skip
-            with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=10):
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(request, timeout=10, context=self.context),
+            ):
                 return
         raise RuntimeError("no member accepted PATCH /config")
 
@@ -492,7 +610,9 @@ class PatroniCluster:
             sync = [m["name"] for m in cluster["members"] if m.get("role") == "sync_standby"]
             candidate = self.member(sync[0])
         status, text = post_json(
-            old.api_url + "/switchover", {"leader": old.name, "candidate": candidate.name}
+            old.api_url + "/switchover",
+            {"leader": old.name, "candidate": candidate.name},
+            context=self.context,
         )
         if status != 200:
             raise RuntimeError(f"switchover refused: {status} {text}")

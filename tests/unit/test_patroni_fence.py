@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 import signal
 import socket
@@ -29,6 +30,7 @@ from pglock_celery.patroni import (
     Answer,
     LeaderFence,
     Timing,
+    TimingRejected,
     fenced_check_interval,
     judge,
     parse_urls,
@@ -160,14 +162,45 @@ def test_no_check_interval_fits_a_window_too_short_and_the_least_ttl_is_named() 
     )
 
 
-def test_patronis_defaults_fill_in_absent_keys_and_nonsense_is_refused() -> None:
+def test_patronis_defaults_fill_in_absent_keys_and_what_patroni_rejects_is_refused() -> None:
     assert Timing.from_config({}) == Timing(30, 10, 10)
     assert Timing.from_config({"ttl": "20", "loop_wait": 2}) == Timing(20, 2, 10)
     assert Timing.from_config({"ttl": 20.9}).ttl == 20  # the lease gets int(ttl)
-    for bad in ({"ttl": 0}, {"ttl": True}, {"loop_wait": [2]}, [], {"ttl": "1e400"},
-                {"ttl": 10**400}, {"loop_wait": "nan"}, {"retry_timeout": "inf"}):  # fmt: skip
-        with pytest.raises(ValueError):
+    # int() of each raises in Patroni's Config._validate_and_adjust_timeouts, and a
+    # loop_wait or retry_timeout kept as text or a bool is no number its loop can use.
+    for bad in ({"ttl": True}, {"loop_wait": [2]}, {"ttl": "1e2"}, {"ttl": "20.5"},
+                {"ttl": "1e400"}, {"ttl": 10**400}, {"ttl": math.inf}, {"loop_wait": "2"},
+                {"loop_wait": "nan"}, {"retry_timeout": "inf"}, {"retry_timeout": math.nan},
+                {"loop_wait": False}):  # fmt: skip
+        with pytest.raises(TimingRejected):
             Timing.from_config(bad)
+    with pytest.raises(ValueError, match="not a JSON object"):
+        Timing.from_config([])
+
+
+@pytest.mark.parametrize(
+    ("config", "narrowest", "runs_with"),
+    [
+        # Raised to the minimums (loop_wait 1, retry_timeout 3, ttl 20), ttl as its int.
+        ({"ttl": 20, "loop_wait": 0.25, "retry_timeout": 2}, (20, 1, 3),
+         {"loop_wait": 1, "retry_timeout": 3}),
+        ({"ttl": 0, "loop_wait": -1, "retry_timeout": 3}, (0, 1, 3),
+         {"ttl": 20, "loop_wait": 1}),
+        # loop_wait + 2 * retry_timeout > ttl: loop_wait lowered, never trusted for it.
+        ({"ttl": 20, "loop_wait": 5, "retry_timeout": 9}, (20, 5, 9), {"loop_wait": 2}),
+        # ... and with loop_wait at 1 already, retry_timeout lowered to (ttl - 1) // 2.
+        ({"ttl": 20, "loop_wait": 1, "retry_timeout": 12}, (20, 1, 12), {"retry_timeout": 9}),
+        # Floats Patroni keeps as they are (its rule compares their ints).
+        ({"ttl": 25.9, "loop_wait": 2.5, "retry_timeout": 4.5}, (25, 2.5, 4.5), {}),
+    ],
+)  # fmt: skip
+def test_timings_are_read_as_patroni_runs_with_them_and_never_trusted_longer_than_given(
+    config: dict[str, Any], narrowest: tuple[float, float, float], runs_with: dict[str, float]
+) -> None:
+    timing = Timing.from_config(config)
+    assert (timing.ttl, timing.loop_wait, timing.retry_timeout) == narrowest
+    assert dict(timing.runs_with) == runs_with
+    assert len(timing.changes) == len(runs_with)
 
 
 # -- the verdict on one answer ---------------------------------------------------------
@@ -421,13 +454,16 @@ def silent_member() -> Iterator[str]:
         silent.close()
 
 
+@pytest.mark.parametrize("silent_first", [False, True], ids=["listed-last", "listed-first"])
 def test_the_member_that_runs_the_server_decides_without_waiting_for_a_silent_one(
-    members: list[Member],
+    members: list[Member], silent_first: bool
 ) -> None:
-    """A first lock (the member running the server not known yet) asks every member:
-    the leader's answer decides as it comes, and its confirmation lasts its window."""
+    """A first lock (the member running the server not known yet) asks every member,
+    for the configuration too: the first answer decides as it comes, wherever the silent
+    member is listed, and the confirmation lasts its window."""
     with silent_member() as silent:
-        fence = LeaderFence([members[0].url, silent], timeout=1.0)
+        urls = [silent, members[0].url] if silent_first else [members[0].url, silent]
+        fence = LeaderFence(urls, timeout=1.0)
         sent = time.monotonic()
         verdict = fence.confirm(SERVER)
         answered = time.monotonic()
@@ -465,3 +501,49 @@ def test_a_reply_that_is_not_whole_http_is_no_answer_never_an_error(reply: bytes
         server.close()
     assert not verdict.leader
     assert verdict.reason.startswith("cannot tell"), verdict.reason
+
+
+def test_a_member_that_never_completes_the_tls_handshake_is_no_answer_within_the_timeout() -> None:
+    with silent_member() as url:
+        fence = LeaderFence([url.replace("http://", "https://")], timeout=0.5)
+        began = time.monotonic()
+        answer = fence.status(fence.urls[0], "/patroni")
+        took = time.monotonic() - began
+    assert answer.status == 0 and answer.timed_out, answer
+    assert 0.5 <= took < 0.75
+
+
+def test_an_answer_on_a_connection_kept_open_is_read_to_its_content_length_at_once() -> None:
+    """A member that keeps the connection open after its answer (HTTP/1.1 keep-alive,
+    whatever ``Connection: close`` asked) is read up to its Content-Length, not until
+    the deadline."""
+
+    class KeepAlive(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            payload = json.dumps(leader_body()).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload)))
+            self.send_header("Connection", "keep-alive")
+            self.end_headers()
+            self.wfile.write(payload)
+            self.close_connection = False
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        fence = LeaderFence([f"http://127.0.0.1:{server.server_address[1]}"], timeout=2.0)
+        began = time.monotonic()
+        answer = fence.status(fence.urls[0], "/patroni")
+        took = time.monotonic() - began
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert answer.status == 200 and answer.body == leader_body()
+    assert answer.date is not None
+    assert took < 0.5
