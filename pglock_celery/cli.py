@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -25,16 +26,16 @@ import psycopg
 from . import __version__, sql
 from .doctor import Budget, Finding, read_settings, run_checks
 from .dsn import describe_target, dsn_problem, redact
-from .exceptions import PglockError
+from .exceptions import ConfigurationError, PglockError
 from .guard import (
     GuardedTable,
     guarded_tables,
-    inheritance_children,
     install_guard,
     remove_guard,
 )
 from .inspect import Holder, list_holders
 from .keys import lock_key
+from .operator_session import operator_session
 from .rollout import Rollout, describe
 from .shards import Shard, parse_shards, previous_label
 
@@ -46,6 +47,33 @@ CLI_APPLICATION_NAME = "pglock-celery-cli"
 
 class UsageError(Exception):
     """Bad input: reported on one line with exit code 2."""
+
+
+def escaped(text: str) -> str:
+    """``text`` as the CLI prints it: every character a terminal would act on escaped.
+
+    Lock names, table names, templates and everything else that comes from a server
+    (or a neighbour's session) may hold a newline that would forge a row, or an
+    escape sequence for the operator's terminal: each character that is not
+    printable (controls, format characters such as bidirectional overrides, line
+    separators) is printed as Python writes it (``\\n``, ``\\x1b``, ``\\u202e``),
+    and a backslash as ``\\\\`` so that an escape is never ambiguous.
+    """
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(
+        "\\\\" if ch == "\\" else ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text
+    )
+
+
+def say(text: str, *, file: Any = None) -> None:
+    """Print one line of output, escaped (see escaped)."""
+    print(escaped(text), file=file)
+
+
+def print_json(found: Any) -> None:
+    """Print ``found`` as JSON: json.dumps escapes every control but DEL, escaped here."""
+    print(json.dumps(found, indent=2).replace("\x7f", "\\u007f"))
 
 
 def _dsn(args: argparse.Namespace) -> str:
@@ -131,11 +159,9 @@ def _usable_dsn(dsn: str | None) -> str:
 
 
 def connect(dsn: str, timeout: int = 5) -> psycopg.Connection:
-    """A short-lived inspection session (never a lock session)."""
+    """A short-lived inspection session (never a lock session, never waiting for ever)."""
     try:
-        return psycopg.connect(
-            dsn, autocommit=True, connect_timeout=timeout, application_name=CLI_APPLICATION_NAME
-        )
+        return operator_session(dsn, CLI_APPLICATION_NAME, connect_timeout=timeout)
     except psycopg.Error as exc:
         reason = " ".join(str(exc).split())
         raise UsageError(
@@ -172,19 +198,45 @@ def cmd_locks(args: argparse.Namespace) -> int:
             )
     sharded = any(shard is not None for shard, _ in targets)
     if args.json:
-        rows = [
-            {**({"shard": shard} if sharded else {}), **h.as_dict(), "age": _age(_since(h), now)}
-            for shard, h, now in found
-        ]
-        print(json.dumps(rows, indent=2))
+        print_json(
+            [
+                {
+                    **({"shard": shard} if sharded else {}),
+                    **h.as_dict(),
+                    "age": _age(_since(h), now),
+                }
+                for shard, h, now in found
+            ]
+        )
         return 0
-    # Since when each lock is held: its grant time where its session records it (a
-    # library holder's); else the session's start, marked "~" (a bound, not the time).
+    _print_table(_lock_rows(found, sharded), sharded)
+    shards = f" on {len(targets)} shards" if sharded else ""
+    print(f"{len(found)} advisory lock(s) held{shards}")
+    return 0
+
+
+def _print_table(rows: list[tuple[str, ...]], sharded: bool) -> None:
+    """The locks table, every cell escaped, columns as wide as their widest cell."""
     columns: tuple[str, ...] = (
         "LOCK", "KEY", "HOST", "PID", "TASK ID", "CLIENT", "LOCKED SINCE", "AGE", "STATE"
     )  # fmt: skip
     columns = ("SHARD", *columns) if sharded else columns
-    table = [
+    table = [tuple(escaped(cell) for cell in row) for row in rows]
+    widths = [max(len(row[i]) for row in [columns, *table]) for i in range(len(columns))]
+    for row in [columns, *table]:
+        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        print("  ".join(cells).rstrip())
+
+
+def _lock_rows(
+    found: list[tuple[str | None, Holder, dt.datetime]], sharded: bool
+) -> list[tuple[str, ...]]:
+    """The cells of the locks table, as the server gave them (escaped by the caller).
+
+    Since when each lock is held: its grant time where its session records it (a
+    library holder's); else the session's start, marked "~" (a bound, not the time).
+    """
+    return [
         (
             *((shard or "",) if sharded else ()),
             _shown_name(h),
@@ -199,13 +251,6 @@ def cmd_locks(args: argparse.Namespace) -> int:
         )
         for shard, h, now in found
     ]
-    widths = [max(len(row[i]) for row in [columns, *table]) for i in range(len(columns))]
-    for row in [columns, *table]:
-        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-        print("  ".join(cells).rstrip())
-    shards = f" on {len(targets)} shards" if sharded else ""
-    print(f"{len(found)} advisory lock(s) held{shards}")
-    return 0
 
 
 def _since(holder: Holder) -> str | None:
@@ -218,17 +263,17 @@ def cmd_key(args: argparse.Namespace) -> int:
 
     key = lock_key(args.name)
     classid, objid = key_to_lock_fields(key)
-    print(key)
+    say(str(key))
     if args.verbose:
-        print(f"pg_locks: classid = {classid} AND objid = {objid} AND objsubid = 1")
+        say(f"pg_locks: classid = {classid} AND objid = {objid} AND objsubid = 1")
         config = _sharded_settings(args)
         if config is not None:
-            print(f"shard: {config.shard_of(key, args.name)}")
+            say(f"shard: {config.shard_of(key, args.name)}")
             previous = config.previous_for_key(key, args.name)
             if previous is not None:
                 before = config.previous_map()
                 assert before is not None
-                print(
+                say(
                     f"previous shard: {before.shard_of(key, args.name)} (a change of the "
                     "shards is under way: the name is locked there too, first)"
                 )
@@ -241,33 +286,39 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     app = _app(args)
     budget = _budget(args, app)
     config, invalid = read_settings(app)
-    if config.shards is not None and not args.dsn:
-        targets = _targets(args)
-    else:
-        if invalid is not None and not (args.dsn or config.dsn):
-            raise UsageError(f"no database to check, and {invalid}")
-        targets = [(None, _usable_dsn(args.dsn or config.dsn))]
+    targets = _doctor_targets(args, config, invalid)
     for _, dsn in targets:
         with connect(dsn):
             pass  # unreachable, refused, bad password: one line and exit 2
     findings: list[Finding] = []
     for shard, dsn in targets:
         if shard is not None and not args.json:
-            print(_headed(shard, dsn))
+            say(_headed(shard, dsn))
         found = run_checks(
             dsn, lock_sessions=args.lock_sessions or 0, locks=args.locks,
             pooler=config.pooler, app=app, shard=shard, budget=budget,
         )  # fmt: skip
         if not args.json:
             for finding in found:
-                print(finding.line())
+                print(_escaped_finding(finding).line())
         findings.extend(found)
-    if args.json:
-        print(json.dumps([f.as_dict() for f in findings], indent=2))
     failed = [f for f in findings if f.level == "fail"]
-    if not args.json:
-        print(f"{len(failed)} problem(s) found" if failed else "no problem found")
+    if args.json:
+        print_json([f.as_dict() for f in findings])
+    else:
+        say(f"{len(failed)} problem(s) found" if failed else "no problem found")
     return 1 if failed else 0
+
+
+def _doctor_targets(
+    args: argparse.Namespace, config: PglockConfig, invalid: ConfigurationError | None
+) -> list[tuple[str | None, str]]:
+    """The databases the doctor checks: --dsn alone, else every shard, else the lock DSN."""
+    if config.shards is not None and not args.dsn:
+        return _targets(args)
+    if invalid is not None and not (args.dsn or config.dsn):
+        raise UsageError(f"no database to check, and {invalid}")
+    return [(None, _usable_dsn(args.dsn or config.dsn))]
 
 
 def _budget(args: argparse.Namespace, app: Any) -> Budget | None:
@@ -310,33 +361,38 @@ def _count(text: str) -> int:
 def cmd_guard_install(args: argparse.Namespace) -> int:
     for shard, dsn in _targets(args):
         if shard is not None:
-            print(_headed(shard, dsn))
+            say(_headed(shard, dsn))
         with connect(dsn) as conn:
             install_guard(conn, args.table, args.lock)
-            children = inheritance_children(conn, args.table)
-        print(f"guarded {args.table}: a write to a row needs the lock {args.lock}")
-        if children:
-            print(f"and its inheritance children, with the same lock: {', '.join(children)}")
+        say(f"guarded {args.table}: a write to a row needs the lock {args.lock}")
     return 0
 
 
 def cmd_guard_remove(args: argparse.Namespace) -> int:
     for shard, dsn in _targets(args):
         if shard is not None:
-            print(_headed(shard, dsn))
+            say(_headed(shard, dsn))
         with connect(dsn) as conn:
             before = guarded_tables(conn)
             remove_guard(conn, args.table)
             left = {t.table for t in guarded_tables(conn)}
         removed = [t for t in before if t.table not in left]
         if not removed:
-            print(f"{args.table} had no guard: nothing removed")
+            say(f"{args.table} had no guard: nothing removed")
         else:
             tables = ", ".join(t.table for t in removed)
-            print(
-                f"removed the guard (lock {removed[0].lock_name}) of {tables}: writes need no lock"
-            )
+            say(f"removed the guard (lock {removed[0].lock_name}) of {tables}: writes need no lock")
     return 0
+
+
+def _escaped_finding(finding: Finding) -> Finding:
+    """``finding`` with its texts escaped (a table's or a setting's name is the server's)."""
+    return dataclasses.replace(
+        finding,
+        check=escaped(finding.check),
+        message=escaped(finding.message),
+        fix=escaped(finding.fix),
+    )
 
 
 def _guard_state(table: GuardedTable) -> str:
@@ -359,14 +415,22 @@ def cmd_guard_list(args: argparse.Namespace) -> int:
             {**({"shard": shard} if sharded else {}), **vars(t), "state": _guard_state(t)}
             for shard, t in found
         ]
-        print(json.dumps(listed, indent=2))
+        print_json(listed)
         return 0
     head: tuple[str, ...] = ("TABLE", "LOCK", "STATE")
     head = ("SHARD", *head) if sharded else head
     rows = [
         head,
         *(
-            (*((shard or "",) if sharded else ()), t.table, t.lock_name, _guard_state(t))
+            tuple(
+                escaped(cell)
+                for cell in (
+                    *((shard or "",) if sharded else ()),
+                    t.table,
+                    t.lock_name,
+                    _guard_state(t),
+                )
+            )
             for shard, t in found
         ),
     ]
@@ -374,7 +438,7 @@ def cmd_guard_list(args: argparse.Namespace) -> int:
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
         print("  ".join([*cells, row[-1]]))
-    print(f"{len(found)} guarded table(s)" + (f" on {len(targets)} shards" if sharded else ""))
+    say(f"{len(found)} guarded table(s)" + (f" on {len(targets)} shards" if sharded else ""))
     return 0
 
 
@@ -396,22 +460,22 @@ def _print_accepted(rollout: Rollout) -> None:
     for shard, dsn in rollout.shards:
         maps = accepted[shard]
         shown = "every map (no record)" if maps is None else ", ".join(maps) or "no map"
-        print(f"{_headed(shard, dsn)} accepts {shown}")
+        say(f"{_headed(shard, dsn)} accepts {shown}")
 
 
 def cmd_shards_status(args: argparse.Namespace) -> int:
     rollout = _rollout(args)
     identity = rollout.identity
     if identity.transition:
-        print(f"this configuration: the change from map {identity.previous} to map "
+        say(f"this configuration: the change from map {identity.previous} to map "
               f"{identity.steady} (its sessions record {identity.name})")  # fmt: skip
     else:
-        print(f"this configuration: map {identity.name}")
+        say(f"this configuration: map {identity.name}")
     _print_accepted(rollout)
     for shard, sessions in rollout.connected().items():
         counts = collections.Counter(session.map or "(none recorded)" for session in sessions)
         shown = ", ".join(f"{n} of map {m}" for m, n in sorted(counts.items())) or "none"
-        print(f"shard {shard}: lock sessions connected: {shown}")
+        say(f"shard {shard}: lock sessions connected: {shown}")
     return 0
 
 
@@ -422,10 +486,10 @@ def cmd_shards_init(args: argparse.Namespace) -> int:
     others = rollout.init()
     _print_accepted(rollout)
     if others:
-        print(f"sessions of other maps are connected, let in before: {describe(others)}; "
+        say(f"sessions of other maps are connected, let in before: {describe(others)}; "
               "stop those workers")  # fmt: skip
         return 1
-    print(f"initialised: workers of another map than {rollout.identity.name} are refused")
+    say(f"initialised: workers of another map than {rollout.identity.name} are refused")
     return 0
 
 
@@ -434,11 +498,11 @@ def cmd_shards_begin(args: argparse.Namespace) -> int:
     others = rollout.begin()
     _print_accepted(rollout)
     if others:
-        print(f"begun, but sessions of other maps are connected, let in before: "
+        say(f"begun, but sessions of other maps are connected, let in before: "
               f"{describe(others)}; stop those workers")  # fmt: skip
         return 1
     identity = rollout.identity
-    print(f"begun: old-map workers (map {identity.previous}) and transition workers (map "
+    say(f"begun: old-map workers (map {identity.previous}) and transition workers (map "
           f"{identity.name}) lock; new-map workers (map {identity.steady}) are refused "
           "until `shards finish`")  # fmt: skip
     return 0
@@ -447,15 +511,15 @@ def cmd_shards_begin(args: argparse.Namespace) -> int:
 def cmd_shards_finish(args: argparse.Namespace) -> int:
     rollout = _rollout(args)
     identity = rollout.identity
-    print(f"refusing the old map ({identity.previous}): waiting up to {args.wait:g} s for "
+    say(f"refusing the old map ({identity.previous}): waiting up to {args.wait:g} s for "
           "every session of another map than the transition to end")  # fmt: skip
-    already, left = rollout.finish(args.wait, print)
+    already, left = rollout.finish(args.wait, say)
     if left:
-        print(f"not finished: {describe(left)}; meanwhile old-map and new-map workers are "
+        say(f"not finished: {describe(left)}; meanwhile old-map and new-map workers are "
               "refused, transition workers lock: stop those workers, run finish again")  # fmt: skip
         return 1
     _print_accepted(rollout)
-    print(f"finished{' already' if already else ''}: map {identity.steady} is accepted; roll "
+    say(f"finished{' already' if already else ''}: map {identity.steady} is accepted; roll "
           "the workers over to the new map alone (pglock_shards_previous unset)")  # fmt: skip
     return 0
 
@@ -562,11 +626,12 @@ def main(argv: Sequence[str] | None = None, *, app: Any = None, prog: str = "pgl
         result: int = args.run(args)
         return result
     except (UsageError, PglockError) as exc:
-        print(f"pglock-celery: error: {exc}", file=sys.stderr)
+        say(f"pglock-celery: error: {exc}", file=sys.stderr)
         return 2
     except psycopg.Error as exc:
         dsn = getattr(args, "dsn", None) or _app_dsn(args) or os.environ.get("PGLOCK_DSN")
-        print(f"pglock-celery: error: {redact(' '.join(str(exc).split()), dsn)}", file=sys.stderr)
+        reason = redact(" ".join(str(exc).split()), dsn)
+        say(f"pglock-celery: error: {reason}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import math
 import os
 import re
+import socket
 import time
 import urllib.parse
 import uuid
@@ -22,14 +24,24 @@ from typing import Any
 
 import psycopg
 from celery import Celery, current_app
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from . import sql
 from .config import PglockConfig, get_config, load_config
 from .exceptions import ConfigurationError, LockUnavailable
-from .guard import ROW_TRIGGER, guarded_tables, unguarded_children
+from .guard import ROW_TRIGGER, guarded_parents, guarded_tables
 from .keys import key_to_lock_fields, lock_key
-from .patroni import LeaderFence, fenced_check_interval, shortest_ttl, shown
+from .leader import server_identity
+from .operator_session import operator_session
+from .patroni import (
+    PATRONI_MINIMUMS,
+    LeaderFence,
+    Timing,
+    TimingRejected,
+    fenced_check_interval,
+    shortest_ttl,
+    shown,
+)
 from .session import application_name, open_session
 
 MIN_SERVER_VERSION = 140000
@@ -77,13 +89,7 @@ def _doctor_connect(dsn: str, application_name: str = "pglock-doctor") -> psycop
     A transaction pooler hands the next transaction to another backend, where a prepared
     statement of this session is missing, or one of another client's goes by its name.
     """
-    return psycopg.connect(
-        dsn,
-        autocommit=True,
-        connect_timeout=5,
-        prepare_threshold=None,
-        application_name=application_name,
-    )
+    return operator_session(dsn, application_name, prepare_threshold=None)
 
 
 def _server_sees_unix_socket(conn: psycopg.Connection) -> bool:
@@ -166,7 +172,9 @@ def check_pooler(conn: psycopg.Connection, dsn: str, pooler: str = "none") -> It
     """
     first = _one(conn, "SELECT pg_backend_pid()")
     conn.execute("SELECT set_config('application_name', 'pglock-doctor-probe', false)")
-    with psycopg.connect(dsn, connect_timeout=5, prepare_threshold=None) as busy:
+    with operator_session(
+        dsn, "pglock-doctor-busy", prepare_threshold=None, autocommit=False
+    ) as busy:
         # Hold a server connection in a transaction, so that a transaction
         # pooler would have to hand our next transaction another backend.
         busy.execute("SELECT pg_backend_pid()")
@@ -487,6 +495,7 @@ def check_privileges(conn: psycopg.Connection) -> Iterator[Finding]:
 def check_guards(conn: psycopg.Connection) -> Iterator[Finding]:
     """One finding per guarded table: its lock name, and whether the whole guard is on."""
     tables = guarded_tables(conn)
+    parents = guarded_parents(conn)
     if not tables:
         yield Finding("guarded tables", "ok", "none (pglock-celery guard install TABLE --lock ...)")
     for table in tables:
@@ -498,6 +507,18 @@ def check_guards(conn: psycopg.Connection) -> Iterator[Finding]:
                 f"{table.table} (lock {table.lock_name}): its trigger is disabled, so writes"
                 " without the lock go through",
                 f"ALTER TABLE {table.table} ENABLE TRIGGER {ROW_TRIGGER}, or {install}",
+            )
+        elif table.table in parents:
+            children = parents[table.table]
+            yield Finding(
+                "guarded table",
+                "fail",
+                f"{table.table} (lock {table.lock_name}) has inheritance children"
+                f" ({', '.join(children)}): a write naming a child fires only the child's"
+                f" triggers, so the guard of {table.table} does not cover the child's rows",
+                "guard a partitioned table instead (CREATE TABLE ... PARTITION BY, ATTACH"
+                " PARTITION), whose guard covers every partition; or "
+                + "; ".join(f"ALTER TABLE {child} NO INHERIT {table.table}" for child in children),
             )
         elif not table.stored_row_guarded:
             yield Finding(
@@ -518,18 +539,6 @@ def check_guards(conn: psycopg.Connection) -> Iterator[Finding]:
             )
         else:
             yield Finding("guarded table", "ok", f"{table.table}: lock {table.lock_name}")
-
-
-def check_guarded_children(conn: psycopg.Connection) -> Iterator[Finding]:
-    """Inheritance children of guarded tables that their guard does not cover (a side door)."""
-    for gap in unguarded_children(conn):
-        yield Finding(
-            "guarded table child",
-            "fail",
-            f"{gap.child} inherits from the guarded {gap.parent} (lock {gap.lock_name}), but"
-            f" {gap.reason}: a write through {gap.parent} reaches its rows without the lock",
-            f"pglock-celery guard install {gap.parent} --lock '{gap.lock_name}'",
-        )
 
 
 #: Built-ins that pglock's statements and the guard call, by name.
@@ -757,12 +766,25 @@ def check_fence_urls(fence: LeaderFence) -> Iterator[Finding]:
     """Every member URL of pglock_patroni_url must answer ``GET /patroni`` within the
     fence's timeout: a member that does not can confirm no lock on its server."""
     silent = []
+    refused = []  # TLS failed: the member answers, its certificate or ours is the problem
     for url in fence.urls:
         answer = fence.status(url, "/patroni")
-        if answer.status != 200:
+        if answer.tls:
+            refused.append(f"{shown(url)} ({answer.error})")
+        elif answer.status != 200:
             silent.append(
                 f"{shown(url)} ({answer.error if answer.status == 0 else f'HTTP {answer.status}'})"
             )
+    if refused:
+        yield Finding(
+            "patroni urls",
+            "fail",
+            f"TLS with {', '.join(refused)} failed, a certificate problem (the member is up):"
+            " a lock on such a member's server is refused (cannot tell)",
+            "pglock_patroni_cafile: the CA that signs the members' REST API certificates;"
+            " pglock_patroni_certfile and pglock_patroni_keyfile: a client certificate that"
+            " CA signs, where restapi.verify_client asks for one (SSL_CERT_FILE is not needed)",
+        )
     if silent:
         yield Finding(
             "patroni urls",
@@ -771,7 +793,7 @@ def check_fence_urls(fence: LeaderFence) -> Iterator[Finding]:
             " a lock on such a member's server is refused (cannot tell)",
             "start that member's Patroni, or correct its URL in pglock_patroni_url",
         )
-    else:
+    elif not refused:
         yield Finding(
             "patroni urls",
             "ok",
@@ -798,17 +820,77 @@ def _api_base(member: dict[str, Any]) -> str | None:
     return f"{parts.scheme}://{shown(raw)}" if parts.hostname and parts.port else None
 
 
+def _status_name(body: Any) -> str | None:
+    patroni = body.get("patroni") if isinstance(body, dict) else None
+    name = patroni.get("name") if isinstance(patroni, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _addresses(host: str, port: int) -> set[tuple[str, int]]:
+    """Where ``host`` leads (its addresses; the name itself when it does not resolve)."""
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return {(host, port)}
+    return {(str(info[4][0]), port) for info in found}
+
+
+def _members_answering(fence: LeaderFence) -> tuple[dict[str, tuple[str, Any]], list[str]]:
+    """Each member that one of the setting's URLs reaches, by the name it gives in its
+    own ``GET /patroni`` answer, with that URL and answer; and the URLs that gave none."""
+    answering: dict[str, tuple[str, Any]] = {}
+    silent: list[str] = []
+    for url in fence.urls:
+        answer = fence.status(url, "/patroni")
+        name = _status_name(answer.body) if answer.status == 200 else None
+        if name is None:
+            silent.append(url)
+        else:
+            answering.setdefault(name, (url, answer.body))
+    return answering, silent
+
+
+def _reached_by(base: str, urls: list[str]) -> str | None:
+    """The URL of ``urls`` that leads where ``base`` does (same addresses and port)."""
+    parts = urllib.parse.urlsplit(base)
+    if parts.hostname is None or parts.port is None:
+        return None
+    where = _addresses(parts.hostname, parts.port)
+    for url in urls:
+        other = urllib.parse.urlsplit(url)
+        port = other.port or (443 if other.scheme == "https" else 80)
+        if other.hostname and where & _addresses(other.hostname, port):
+            return url
+    return None
+
+
 def check_fence_members(fence: LeaderFence, members: list[dict[str, Any]]) -> Iterator[Finding]:
     """pglock_patroni_url must list every member of the cluster (A5 in patroni.py).
 
     A member left out can be promoted, and a lock on its server is never confirmed;
-    a URL listing only a replica leaves the leader out.
+    a URL listing only a replica leaves the leader out. A member is listed when one of
+    the URLs reaches it: its ``GET /patroni`` answer gives the member's name, however
+    the URL and Patroni's ``api_url`` spell its host; a URL that gives no answer counts
+    for the member whose ``api_url`` leads to the same address and port.
     """
-    listed = {shown(url) for url in fence.urls}
-    missing = [(m, base) for m in members if (base := _api_base(m)) and shown(base) not in listed]
+    answering, silent = _members_answering(fence)
+    listed: dict[str, str] = {}  # member name -> the setting's URL for it
+    missing: list[tuple[dict[str, Any], str]] = []
+    for member in members:
+        base = _api_base(member)
+        name = member.get("name")
+        if isinstance(name, str) and name in answering:
+            listed[name] = answering[name][0]
+        elif base is not None:
+            url = _reached_by(base, silent)
+            if url is None:
+                missing.append((member, base))
+            elif isinstance(name, str):
+                listed[name] = url
     if missing:
         names = ", ".join(f"{m.get('name')} ({shown(base)})" for m, base in missing)
-        urls = ",".join([*fence.urls, *(base for _, base in missing)])
+        # Each member once: the setting's URLs as written, then the ones left out.
+        urls = ",".join(dict.fromkeys([*fence.urls, *(base for _, base in missing)]))
         yield Finding(
             "patroni members",
             "fail",
@@ -833,8 +915,35 @@ def _dsn_hosts(dsn: str) -> list[tuple[str, int]]:
     return [(host, int(port or 5432)) for host, port in zip(hosts, ports, strict=False)]
 
 
-def check_fence_leader(dsn: str, members: list[dict[str, Any]]) -> Iterator[Finding]:
-    """The leader's Postgres (host:port from GET /cluster) must be one of the DSN's hosts."""
+def _started_at(body: Any) -> datetime.datetime | None:
+    text = body.get("postmaster_start_time") if isinstance(body, dict) else None
+    if not isinstance(text, str):
+        return None
+    try:
+        value = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return value if value.tzinfo is not None else None
+
+
+def _host_identity(dsn: str, host: str, port: int) -> datetime.datetime | None:
+    """The postmaster start time of the server at ``host``:``port`` of ``dsn`` (what the
+    fence knows a server by: leader.server_identity), None when it cannot be reached."""
+    params = conninfo_to_dict(dsn)
+    params.pop("hostaddr", None)
+    params.update(host=host, port=str(port), target_session_attrs="any")
+    try:
+        with _doctor_connect(make_conninfo("", **params)) as conn:
+            return server_identity(conn).started_at
+    except psycopg.Error:
+        return None
+
+
+def check_fence_leader(
+    dsn: str, members: list[dict[str, Any]], fence: LeaderFence
+) -> Iterator[Finding]:
+    """The leader's Postgres must be one of the DSN's hosts: the same server (postmaster
+    start time, as the fence knows it) whichever way the DSN and Patroni spell its host."""
     leaders = [m for m in members if m.get("role") in ("leader", "standby_leader")]
     if len(leaders) != 1:
         yield Finding(
@@ -847,8 +956,19 @@ def check_fence_leader(dsn: str, members: list[dict[str, Any]]) -> Iterator[Find
     leader = leaders[0]
     where = (str(leader.get("host")), int(leader.get("port") or 5432))
     hosts = _dsn_hosts(dsn)
-    if where not in hosts:
-        every = [(str(m.get("host")), int(m.get("port") or 5432)) for m in members]
+    answering, _ = _members_answering(fence)
+    body = answering.get(str(leader.get("name")), (None, None))[1]
+    base = _api_base(leader)
+    if body is None and base is not None:
+        body = fence.status(base, "/patroni").body
+    started = _started_at(body)
+    if started is not None:
+        found = any(_host_identity(dsn, host, port) == started for host, port in hosts)
+    else:  # its start time unknown: where the DSN's hosts and Patroni's lead, by address
+        found = any(_addresses(*where) & _addresses(host, port) for host, port in hosts)
+    if not found:
+        spelled = ((str(m.get("host")), int(m.get("port") or 5432)) for m in members)
+        every = list(dict.fromkeys(spelled))
         yield Finding(
             "patroni leader",
             "fail",
@@ -866,11 +986,39 @@ def check_fence_leader(dsn: str, members: list[dict[str, Any]]) -> Iterator[Find
         )
 
 
+def _rejected_timing(fence: LeaderFence) -> Finding | None:
+    """The finding for a dynamic configuration Patroni cannot read, if a member gives one."""
+    for url in fence.urls:
+        answer = fence.status(url, "/config")
+        if answer.status != 200:
+            continue
+        try:
+            Timing.from_config(answer.body)
+        except TimingRejected as exc:
+            raw = answer.body.get(exc.key)
+            try:
+                seconds = float(raw) if not isinstance(raw, bool) else math.nan
+            except (TypeError, ValueError):
+                seconds = math.nan
+            least = PATRONI_MINIMUMS[exc.key]
+            whole = max(round(seconds), least) if math.isfinite(seconds) else least
+            return Finding(
+                "patroni window",
+                "fail",
+                f"{exc} ({shown(url)}): every lock is refused until it is fixed",
+                f"patronictl edit-config -s {exc.key}={whole}",
+            )
+        except ValueError:
+            continue
+    return None
+
+
 def check_fence_window(fence: LeaderFence, check_interval: float) -> Iterator[Finding]:
-    """Patroni's ttl, loop_wait and retry_timeout must leave room to check a fenced lock."""
+    """Patroni's ttl, loop_wait and retry_timeout must leave room to check a fenced lock,
+    and be values Patroni runs with as they are (Timing.from_config)."""
     timing = fence.read_timing()
     if timing is None:
-        yield Finding(
+        yield _rejected_timing(fence) or Finding(
             "patroni window",
             "fail",
             "no member gave Patroni's dynamic configuration (GET /config): every lock is"
@@ -882,6 +1030,11 @@ def check_fence_window(fence: LeaderFence, check_interval: float) -> Iterator[Fi
         f"at ttl {timing.ttl:g}/loop_wait {timing.loop_wait:g}/retry_timeout"
         f" {timing.retry_timeout:g}"
     )
+    if timing.changes:
+        figures += (
+            f" (Patroni changes {', '.join(timing.changes)}; the window is the narrower of"
+            " both readings)"
+        )
     window = max(timing.window(fence.margin), 0.0)
     fits = fenced_check_interval(
         timing, wanted=check_interval, timeout=fence.timeout, margin=fence.margin
@@ -895,6 +1048,14 @@ def check_fence_window(fence: LeaderFence, check_interval: float) -> Iterator[Fi
             f" checks (workers refuse to start); the least ttl that fits is {least:g}",
             f"patronictl edit-config -s ttl={least:g}",
         )
+    elif timing.changes:
+        yield Finding(
+            "patroni window",
+            "warn",
+            f"window {window:g} s {figures}: locks checked every {fits:.2g} s",
+            "patronictl edit-config "
+            + " ".join(f"-s {key}={value:g}" for key, value in timing.runs_with),
+        )
     else:
         yield Finding(
             "patroni window",
@@ -903,9 +1064,14 @@ def check_fence_window(fence: LeaderFence, check_interval: float) -> Iterator[Fi
         )
 
 
-def fence_checks(dsn: str, urls: tuple[str, ...], check_interval: float) -> Iterator[Finding]:
-    """The leader fence's checks (pglock_patroni_url set); replication is checked apart."""
-    fence = LeaderFence(urls)
+def fence_checks(
+    dsn: str, urls: tuple[str, ...], check_interval: float, config: PglockConfig | None = None
+) -> Iterator[Finding]:
+    """The leader fence's checks (pglock_patroni_url set); replication is checked apart.
+
+    ``config``'s TLS files (pglock_patroni_cafile, ...) reach the members as the fence's do.
+    """
+    fence = LeaderFence.from_setting(urls, config)
     yield from check_fence_urls(fence)
     members = read_cluster(fence)
     if members is None:
@@ -917,7 +1083,7 @@ def fence_checks(dsn: str, urls: tuple[str, ...], check_interval: float) -> Iter
         )
     else:
         yield from check_fence_members(fence, members)
-        yield from check_fence_leader(dsn, members)
+        yield from check_fence_leader(dsn, members, fence)
     yield from check_fence_window(fence, check_interval)
 
 
@@ -1009,12 +1175,11 @@ def run_checks(
             lambda: check_privileges(conn),
             lambda: check_search_path(conn),
             lambda: check_guards(conn),
-            lambda: check_guarded_children(conn),
             lambda: check_settings(invalid),
             lambda: check_shard_maps(conn, config),
         ]
         if config.patroni_url:
-            checks.append(lambda: fence_checks(dsn, urls, config.check_interval))
+            checks.append(lambda: fence_checks(dsn, urls, config.check_interval, config))
         for check in checks:
             findings.extend(check())
     if shard is not None:

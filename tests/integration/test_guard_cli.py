@@ -98,22 +98,3 @@ def test_doctor_lists_guarded_tables_and_fails_on_a_disabled_guard(pg_dsn: str, 
     assert listed(pg_dsn)[table]["state"] == "DISABLED (writes are not checked)"
     done = cli("doctor", "--dsn", pg_dsn)
     assert done.returncode == 1 and table in done.stdout
-
-
-def test_install_and_remove_name_the_inheritance_children_they_cover(
-    pg_dsn: str, table: str
-) -> None:
-    child = f"{table}_child"
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE TABLE {child} () INHERITS ({table})")
-    done = cli("guard", "install", table, "--lock", "jobs:{tenant_id}", dsn=pg_dsn)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[1] == (
-        f"and its inheritance children, with the same lock: {child}"
-    )
-    assert listed(pg_dsn)[child]["lock_name"] == "jobs:{tenant_id}"
-    removed = cli("guard", "remove", table, dsn=pg_dsn)
-    assert removed.returncode == 0, removed.stderr
-    assert removed.stdout.strip() == (
-        f"removed the guard (lock jobs:{{tenant_id}}) of {table}, {child}: writes need no lock"
-    )
