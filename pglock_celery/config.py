@@ -8,6 +8,12 @@ silent fallback to the default: ConfigurationError names every bad key as
 written and the values it takes (a worker refuses to start with one, see
 task.py). The absence of ``pglock_dsn`` is an error at the first lock.
 
+Every error names a setting the way the project wrote it: the key its value came
+from (``CELERY_PGLOCK_DATABASE``, ``PROJ_PGLOCK_DSN``, a plain ``pglock_dsn``) or
+its variable (``PGLOCK_DSN``); an unset one the way the app would read it
+(namespaced when the app has a namespace). load_config records the names
+(PglockConfig.named), so a check of two settings together names both so too.
+
 The parsed settings are cached on the app, keyed by the raw values they came
 from, so a change (``app.conf.pglock_dsn = ...`` in a test fixture, Django's
 ``override_settings``, a changed ``PGLOCK_*`` variable) counts from the next
@@ -25,8 +31,8 @@ import functools
 import math
 import os
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import InitVar, dataclass
 from datetime import datetime, timedelta, timezone
 from types import MappingProxyType
 from typing import Any
@@ -50,6 +56,7 @@ from .shards import (
     parse_shards,
     rendezvous,
 )
+from .tls import TLS_SETTINGS, readable_file, tls_context
 
 _CACHE_ATTRIBUTE = "_pglock_config"
 
@@ -289,6 +296,12 @@ class PglockConfig:
     #: The REST API URLs of the Patroni cluster's members (comma-separated): a
     #: lock is valid only while its server is confirmed as the leader (patroni.py).
     patroni_url: tuple[str, ...] | None = None
+    #: PEM files for the Patroni REST API over HTTPS (patroni.tls_context): the CA
+    #: that signs the members' certificates, and a client certificate and its key for
+    #: restapi.verify_client; used by the fence and the doctor, nothing process-wide.
+    patroni_cafile: str | None = None
+    patroni_certfile: str | None = None
+    patroni_keyfile: str | None = None
     #: A Django database alias: without pglock_dsn, the lock's DSN comes from its
     #: DATABASES entry; a task body's ORM writes to it are fenced by its lock.
     database: str | None = None
@@ -300,8 +313,11 @@ class PglockConfig:
     #: During a change of the shards: the map the fleet moves from. A name whose
     #: database differs between the two maps is locked on both, this one's first.
     shards_previous: tuple[Shard, ...] | None = dataclasses.field(default=None, repr=False)
+    #: How the project names each setting (field name -> ``CELERY_PGLOCK_DSN``,
+    #: ``PGLOCK_DSN``...), as load_config found them; not a field: kept by named().
+    written: InitVar[Mapping[str, str] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, written: Mapping[str, str] | None) -> None:
         """Refuse a value that no lock session could use, as load_config does.
 
         A config built directly (``AdvisoryLock(config=PglockConfig(...))``) skips
@@ -309,6 +325,7 @@ class PglockConfig:
         shown) and the Patroni URLs goes through its parser here, and is kept as
         parsed (``keepalives_idle=1.0`` becomes 1, ``strategy="bogus"`` is refused).
         """
+        self.__dict__["_written"] = dict(written or {})
         problems: list[str] = []
         for name, parse in _PARSERS.items():
             if name in ("dsn", "patroni_url", "shard_rule"):
@@ -323,23 +340,43 @@ class PglockConfig:
                 object.__setattr__(self, name, parsed)
         if problems:
             raise ConfigurationError(f"invalid PglockConfig: {'; '.join(problems)}")
+        try:
+            tls_context(
+                self.patroni_cafile, self.patroni_certfile, self.patroni_keyfile, named=self.named
+            )
+        except ValueError as exc:
+            raise ConfigurationError(f"invalid setting {exc}") from None
         if self.shard_rule is not None and not callable(self.shard_rule):
             object.__setattr__(self, "shard_rule", parse_rule(self.shard_rule))
         if self.shard_rule is not None and not isinstance(
             getattr(self.shard_rule, "__qualname__", None), str
         ):
             raise ConfigurationError(
-                f"invalid PglockConfig: pglock_shard_rule={self.shard_rule!r}: must be a "
+                f"invalid setting {self.named('shard_rule')}={self.shard_rule!r}: must be a "
                 "function (or 'module:function' naming one): its module and name are part "
                 "of the shard map's identity, the same in every worker process, and this "
                 "callable has no name (a functools.partial, an instance)"
             )
         _refuse_mixed_shards(self)
         if self.database is not None:
-            object.__setattr__(self, "dsn", _database_dsn(self.database, self.strategy, self.dsn))
+            object.__setattr__(self, "dsn", _database_dsn(self))
         # Not a field: each shard's configuration (a copy) keeps its whole map's.
         identity = map_identity(self.shards, self.shards_previous, self.shard_rule, self.dsn)
         object.__setattr__(self, "_map", identity)
+
+    def named(self, setting: str) -> str:
+        """The name of ``setting`` (a field: ``"dsn"``) as the project wrote it.
+
+        The key or variable its value came from, else the key the app would read
+        (``CELERY_PGLOCK_DSN`` under namespace ``CELERY``); ``pglock_<setting>`` for a
+        config built directly. For messages only: nothing decides on it.
+        """
+        names: dict[str, str] = self.__dict__.get("_written") or {}
+        return names.get(setting) or f"pglock_{setting}"
+
+    def _rename(self, setting: str, name: str) -> None:
+        """Name ``setting`` ``name`` in this config's messages (its copies keep their own)."""
+        self.__dict__["_written"] = {**(self.__dict__.get("_written") or {}), setting: name}
 
     @property
     def map_identity(self) -> MapIdentity | None:
@@ -382,21 +419,21 @@ class PglockConfig:
         """
         if not self.dsn and self.shards is not None:
             raise ConfigurationError(
-                "pglock_shards spreads the locks over several databases: this needs one "
-                "shard's configuration (for_key, for_shard), or a DSN given"
+                f"{self.named('shards')} spreads the locks over several databases: this "
+                "needs one shard's configuration (for_key, for_shard), or a DSN given"
             )
         if not self.dsn:
             raise ConfigurationError(
-                "no lock database configured: set the Celery setting pglock_dsn "
-                "or the environment variable PGLOCK_DSN (under Django, pglock_database "
-                "may name a DATABASES alias instead)"
+                f"no lock database configured: set the Celery setting {self.named('dsn')} "
+                "or the environment variable PGLOCK_DSN (under Django, "
+                f"{self.named('database')} may name a DATABASES alias instead)"
             )
         problem = dsn_problem(self.dsn)
         if problem is not None:
             raise ConfigurationError(
-                f"the lock database's DSN (pglock_dsn, PGLOCK_DSN or the dsn given) is not "
-                f"a valid connection string: {problem}; its text is not shown. Keep the "
-                "password out of the DSN: PGPASSWORD or a passfile (PGPASSFILE)"
+                f"the lock database's DSN ({self.named('dsn')}) is not a valid connection "
+                f"string: {problem}; its text is not shown. Keep the password out of the "
+                "DSN: PGPASSWORD or a passfile (PGPASSFILE)"
             )
         return self.dsn
 
@@ -405,12 +442,13 @@ class PglockConfig:
 
         A copy, not checked again: its numbers are this config's, checked when it was
         built (a few microseconds saved on every lock given a DSN), and require_dsn
-        checks the DSN at use.
+        checks the DSN at use, naming it "the dsn given".
         """
         if dsn is None:
             return self
         config = copy.copy(self)
         object.__setattr__(config, "dsn", dsn)  # frozen: as dataclasses' own __init__ does
+        config._rename("dsn", "the dsn given")
         # A DSN named is one database: no shards, whatever the settings spread.
         object.__setattr__(config, "shards", None)
         object.__setattr__(config, "shard_rule", None)
@@ -444,15 +482,16 @@ class PglockConfig:
         if self.shard_rule is not None:
             if name is None:
                 raise LockNameError(
-                    f"lock #{key}: with pglock_shard_rule, a lock is taken by its name: the "
-                    "rule places names, and a bare key could land on another shard"
+                    f"lock #{key}: with {self.named('shard_rule')}, a lock is taken by its "
+                    "name: the rule places names, and a bare key could land on another shard"
                 )
             try:
                 chosen = self.shard_rule(name)
             except Exception as exc:
                 raise ConfigurationError(
-                    f"pglock_shard_rule raised {type(exc).__name__} placing lock {name!r}: "
-                    "nothing is locked (a rule must give a shard name, or None for the hash)"
+                    f"{self.named('shard_rule')} raised {type(exc).__name__} placing lock "
+                    f"{name!r}: nothing is locked (a rule must give a shard name, or None "
+                    "for the hash)"
                 ) from exc
             if chosen is not None and chosen not in names and self.__dict__.get("_is_previous"):
                 # A shard the change adds: before it, such a name was placed by the hash.
@@ -460,8 +499,9 @@ class PglockConfig:
             if chosen is not None:
                 if chosen not in names:
                     raise ConfigurationError(
-                        f"pglock_shard_rule placed lock {name!r} on shard {chosen!r}, which "
-                        f"pglock_shards does not name (it names {', '.join(names)})"
+                        f"{self.named('shard_rule')} placed lock {name!r} on shard {chosen!r}, "
+                        f"which {self.named('shards')} does not name (it names "
+                        f"{', '.join(names)})"
                     )
                 return str(chosen)
         return rendezvous(key, names)
@@ -518,10 +558,16 @@ class PglockConfig:
         if found is None:
             shard = next((s for s in self.shards or () if s.name == name), None)
             if shard is None:
-                raise ConfigurationError(f"pglock_shards names no shard {name!r}")
+                raise ConfigurationError(f"{self.named('shards')} names no shard {name!r}")
+            shards = self.named("shards")
             found = self.with_dsn(shard.dsn)
+            found._rename("dsn", f"the DSN of shard {name!r} of {shards}")
             found.__dict__.pop("_shard_configs", None)
             object.__setattr__(found, "patroni_url", shard.patroni_url)
+            found._rename("patroni_url", f"the patroni_url of shard {name!r} of {shards}")
+            for setting in TLS_SETTINGS:  # the shard's own file, else the map's
+                own = getattr(shard, setting) or getattr(self, setting)
+                object.__setattr__(found, setting, own)
             configs[name] = found
         return found
 
@@ -538,57 +584,70 @@ _MOST_PLACED = 65536
 
 def _refuse_mixed_shards(config: PglockConfig) -> None:
     """pglock_shards names every lock database: with it, no other setting names one."""
+    shards = config.named("shards")
     if config.shards is None:
         alone = [
             setting
             for setting, value in (
-                ("pglock_shard_rule", config.shard_rule),
-                ("pglock_shards_previous", config.shards_previous),
+                ("shard_rule", config.shard_rule),
+                ("shards_previous", config.shards_previous),
             )
             if value is not None
         ]
         if alone:
-            raise ConfigurationError(f"{alone[0]} is set without pglock_shards")
+            raise ConfigurationError(f"{config.named(alone[0])} is set without {shards}")
         return
     for setting, value in (
-        ("pglock_dsn", config.dsn),
-        ("pglock_database", config.database),
-        ("pglock_patroni_url", config.patroni_url),
+        ("dsn", config.dsn),
+        ("database", config.database),
+        ("patroni_url", config.patroni_url),
     ):
         if value:
             raise ConfigurationError(
-                f"pglock_shards and {setting} are both set: pglock_shards names each shard's "
-                "DSN (and its patroni_url); set one or the other"
+                f"{shards} and {config.named(setting)} are both set: {shards} names each "
+                "shard's DSN (and its patroni_url); set one or the other"
             )
 
 
-def _database_dsn(alias: str, strategy: str, dsn: str | None) -> str:
-    """The lock DSN with ``pglock_database = alias``: pglock_dsn when given, else the alias's.
+def _database_dsn(config: PglockConfig) -> str:
+    """The lock DSN with ``pglock_database`` set: pglock_dsn when given, else the alias's.
 
     Read from Django's settings when the config is built (the first lock, a worker's
     start, ``manage.py check``), never at import. A pglock_dsn given too says how the
     locks reach the database (past a pooler the ORM uses, say): it must name the
     alias's database, since the body's ORM writes go through the lock's session.
     """
-    if strategy == "shared":
+    alias, dsn = config.database, config.dsn
+    assert alias is not None
+    database = config.named("database")
+    if config.strategy == "shared":
         raise ConfigurationError(
-            "pglock_database needs a lock session of the holder's own: a shared session "
-            "gives no fenced writes; set pglock_strategy to 'reuse' or 'connect'"
+            f"{database} needs a lock session of the holder's own: a shared session "
+            f"gives no fenced writes; set {config.named('strategy')} to 'reuse' or 'connect'"
         )
-    from .django import dsn as django_dsn
-
+    try:
+        from .django import dsn as django_dsn
+    except ModuleNotFoundError as exc:
+        if exc.name != "django" and not (exc.name or "").startswith("django."):
+            raise
+        raise ConfigurationError(
+            f"invalid setting {database}={alias!r}: it names a Django database, and Django "
+            f"is not installed: pip install django (or leave {database} unset and give the "
+            f"lock database in {config.named('dsn')})"
+        ) from None
     try:
         own = django_dsn(alias)
     except ConfigurationError as exc:
-        raise ConfigurationError(f"invalid setting pglock_database={alias!r}: {exc}") from None
+        raise ConfigurationError(f"invalid setting {database}={alias!r}: {exc}") from None
     if dsn is None:
+        config._rename("dsn", f"DATABASES[{alias!r}] ({database})")
         return own
     ours, theirs = _dbname(dsn), _dbname(own)
     if ours is not None and theirs is not None and ours != theirs:
         raise ConfigurationError(
-            f"pglock_dsn names the database {ours!r}, pglock_database={alias!r} the database "
-            f"{theirs!r}: the body's ORM writes go through the lock's session, so both must "
-            "name one database"
+            f"{config.named('dsn')} names the database {ours!r}, {database}={alias!r} the "
+            f"database {theirs!r}: the body's ORM writes go through the lock's session, so "
+            "both must name one database"
         )
     return dsn
 
@@ -629,6 +688,9 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "report_holder": _boolean,
     "pooler": _pooler,
     "patroni_url": _patroni_url,
+    "patroni_cafile": readable_file,
+    "patroni_certfile": readable_file,
+    "patroni_keyfile": readable_file,
     "database": _database,
     "shards": parse_shards,
     "shard_rule": parse_rule,
@@ -664,6 +726,26 @@ def _namespaced(prefix: str | None, key: str) -> str | None:
     return name.upper() if prefix.isupper() else name.lower()
 
 
+def _lookup(conf: Any, environ: Mapping[str, str], setting: str) -> tuple[Any, str]:
+    """The raw value of ``setting`` (a field: ``dsn``; None when unset) and its name as
+    the project wrote it: its key in ``conf``, else its variable, else (unset) the key
+    ``conf`` would read (namespaced when it has a namespace)."""
+    key, env = f"pglock_{setting}", f"PGLOCK_{setting.upper()}"
+    raw = conf.get(key) if conf is not None else None
+    if raw is not None:
+        return raw, _written_as(conf, key)
+    if environ.get(env) not in (None, ""):
+        return environ[env], env
+    # Read after conf.get: a Celery conf knows its namespace once it is finalized.
+    return None, _namespaced(getattr(conf, "prefix", None), key) or key
+
+
+def setting_name(conf: Any, setting: str, environ: Mapping[str, str] | None = None) -> str:
+    """How the project names ``setting`` (``"pooler"``) with ``conf`` and the environment:
+    ``CELERY_PGLOCK_POOLER``, ``PGLOCK_POOLER``, ``pglock_pooler``, as load_config does."""
+    return _lookup(conf, os.environ if environ is None else environ, setting)[1]
+
+
 def load_config(conf: Any, environ: dict[str, str] | None = None) -> PglockConfig:
     """Build a PglockConfig from a Celery ``conf`` mapping and the environment.
 
@@ -672,28 +754,23 @@ def load_config(conf: Any, environ: dict[str, str] | None = None) -> PglockConfi
     """
     environ = dict(os.environ) if environ is None else environ
     values: dict[str, Any] = {}
+    names: dict[str, str] = {}
     problems: list[str] = []
     for field in dataclasses.fields(PglockConfig):
-        key, env = f"pglock_{field.name}", f"PGLOCK_{field.name.upper()}"
-        raw = conf.get(key) if conf is not None else None
-        source = key
-        if raw is None and environ.get(env) not in (None, ""):
-            raw, source = environ[env], env
+        raw, names[field.name] = _lookup(conf, environ, field.name)
         if raw is None:
             continue
         try:
             values[field.name] = _PARSERS[field.name](raw)
         except (TypeError, ValueError) as exc:
-            if source == key:
-                source = _written_as(conf, key)
             hidden = ("dsn", "patroni_url", "shards", "shards_previous")
             shown = "<hidden>" if field.name in hidden else repr(raw)
-            problems.append(f"{source}={shown}: {exc}")
+            problems.append(f"{names[field.name]}={shown}: {exc}")
     if problems:
         if len(problems) == 1:
             raise ConfigurationError(f"invalid setting {problems[0]}")
         raise ConfigurationError(f"invalid settings: {'; '.join(problems)}")
-    return PglockConfig(**values)
+    return PglockConfig(**values, written=names)
 
 
 _KEYS = tuple(key for key, _env, _default in SETTINGS)
@@ -788,17 +865,13 @@ def _mask_in_celery_reports() -> None:
         # setattr: celery-types does not declare HIDDEN_SETTINGS.
         setattr(celery.app.utils, "HIDDEN_SETTINGS", extended)  # noqa: B010
     # A mapping's value is masked by its own keys only (Celery goes into it), and a
-    # shard map's keys are shard names: pglock_shards (and _previous) are masked whole.
+    # shard map's keys are shard names: pglock_shards (and _previous) are masked whole,
+    # under whatever namespace the app reads its settings (CELERY_, PROJ_, none).
     censor = getattr(celery.app.utils, "filter_hidden_settings", None)
     if callable(censor) and not getattr(censor, "_masks_pglock_shards", False):
 
         def filter_hidden_settings(conf: Any) -> Any:
-            whole = {
-                key: "*" * 8
-                if isinstance(key, str) and key.lower().removeprefix("celery_") in _SHARD_MAPS
-                else value
-                for key, value in conf.items()
-            }
+            whole = {key: "*" * 8 if _is_shard_map(key) else value for key, value in conf.items()}
             return censor(whole)
 
         filter_hidden_settings._masks_pglock_shards = True  # type: ignore[attr-defined]
@@ -806,6 +879,15 @@ def _mask_in_celery_reports() -> None:
 
 
 #: The settings whose value is a shard map (DSNs, with their passwords, inside).
-_SHARD_MAPS = frozenset({"pglock_shards", "pglock_shards_previous"})
+_SHARD_MAPS = ("pglock_shards", "pglock_shards_previous")
+
+
+def _is_shard_map(key: object) -> bool:
+    """Whether ``key`` names a shard map setting: bare, or under any namespace (``X_``)."""
+    if not isinstance(key, str):
+        return False
+    lowered = key.lower()
+    return any(lowered == name or lowered.endswith("_" + name) for name in _SHARD_MAPS)
+
 
 _mask_in_celery_reports()

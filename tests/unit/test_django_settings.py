@@ -147,7 +147,9 @@ def test_the_project_imports_with_an_alias_its_databases_lack() -> None:
         "        print(exc)\n"
     )
     out = run_in_project(code, DJANGO_SETTINGS_MODULE="proj.settings.prod")
-    assert out.startswith("invalid setting pglock_database='missing': DATABASES has no alias")
+    assert out.startswith(
+        "invalid setting CELERY_PGLOCK_DATABASE='missing': DATABASES has no alias"
+    )
 
 
 class Marker(Loader):
