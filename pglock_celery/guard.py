@@ -6,23 +6,21 @@ compute its key with ``pglock_key()`` and raise (SQLSTATE ``PGL01``) unless this
 holds that lock. The template is every trigger's argument, so ``\\d pipelines`` shows it
 and ``guarded_tables()`` reads it back. The checks come in two layouts:
 
-- **By statement**, on a plain table that is no inheritance child and no partition (most
-  tables): AFTER INSERT, UPDATE and DELETE statement triggers (``zz_pglock_guard_stored_insert``,
+- **By statement**, on a plain table (not a partition): AFTER INSERT, UPDATE and DELETE
+  statement triggers (``zz_pglock_guard_stored_insert``,
   ``zz_pglock_guard``, ``zz_pglock_guard_delete``) read the statement's rows from its
   transition table (the new rows as stored, once every BEFORE trigger has run; the old
   rows) and check each distinct lock name once, so a 10,000-row UPDATE of one tenant
   computes one key, not 10,000. They fire at the end of their statement and abort it, so
-  a refused row is never stored. Rows of the table's inheritance children written
-  through it are in its transition tables too. The only writes that would not fire them
-  name an ancestor of the table, and it can have none: ``zz_pglock_guard_stored_update``
-  is a row trigger with a transition table, which Postgres refuses on an inheritance
-  child or a partition (``ALTER TABLE ... INHERIT`` and ``ATTACH PARTITION`` fail while
-  the guard is on).
+  a refused row is never stored. The only writes that would not fire them name a parent
+  of the table, and it can get none: ``zz_pglock_guard_stored_update`` is a row trigger
+  with a transition table, which Postgres refuses on an inheritance child or a partition
+  (``ALTER TABLE ... INHERIT`` and ``ATTACH PARTITION`` fail while the guard is on).
 - **By row**, on a partitioned table (Postgres clones row triggers onto each partition,
-  later ones too), a partition and an inheritance child (a statement naming any of their
-  ancestors writes their rows): ``zz_pglock_guard``, a BEFORE UPDATE OR DELETE row trigger,
-  checks the old row before anything changes; ``zz_pglock_guard_stored_insert``, an AFTER
-  INSERT row trigger, the row as stored.
+  later ones too) and a partition (a statement naming its partitioned table writes its
+  rows): ``zz_pglock_guard``, a BEFORE UPDATE OR DELETE row trigger, checks the old row
+  before anything changes; ``zz_pglock_guard_stored_insert``, an AFTER INSERT row
+  trigger, the row as stored.
 
 In both, ``zz_pglock_guard_stored_update`` is an AFTER UPDATE row trigger that fires only
 when the text of a column of the name changed (compared byte for byte: a column's
@@ -39,12 +37,12 @@ Once per database, in schema ``public``: ``pglock_key(text)`` (equal to
 TRUNCATE. They are replaced only when their text changes, and keep their signatures, so
 the triggers of a guard installed by an older release go on working.
 
-The same guard goes on every inheritance descendant of the table (``CREATE TABLE c ()
-INHERITS (t)``): a row stored in a child fires only the child's row triggers, even when
-the statement names the parent. A descendant guarded with another template is refused
-(its rows are written through the parent too), and so is a foreign table among them.
-A child added later is unguarded until install_guard runs again (``doctor`` says so),
-though writes through a parent guarded by statement still check its rows.
+A table in a tree of classic inheritance (``CREATE TABLE c () INHERITS (t)``: a parent
+or a child that is no partition) is refused: a row stored in a child fires only the
+child's row triggers, whatever table the statement names, so no guard on one table
+covers the tree. Declarative partitioning does what users want of it. A guarded table
+can still gain a child (``ALTER TABLE c INHERIT t``), whose writes then need no lock:
+``guarded_parents()`` finds it, and ``doctor`` fails on it.
 
 Every built-in the guard calls is named with its schema (``pg_catalog.``), and its
 PL/pgSQL functions run with ``search_path = pg_catalog, pg_temp``: a role whose
@@ -52,8 +50,11 @@ search_path holds functions or operators of the same names cannot redirect them.
 
 Who holds a lock: a session whose ``pglock.held`` setting (written by every lock
 statement of this library) lists the key, and that gets
-``pg_try_advisory_xact_lock_shared(key)``: no other session holds the lock, and none
-can take it before this transaction ends. That path never reads ``pg_locks`` (G9).
+``pg_try_advisory_xact_lock(key)``: no other session holds the lock, and none can take
+it before this transaction ends. That path never reads ``pg_locks`` (G9). The try is in
+the mode the holder holds the key (exclusive): Postgres grants a mode a session already
+holds at once, while a try in another mode (shared) is refused behind any session
+queued for the key, which would refuse the holder itself while another call waits.
 Otherwise (hand-rolled ``pg_advisory_lock`` code) the session's own entries in
 ``pg_locks`` decide, which costs a scan of the server's lock table per lock name (per
 statement, or per row in the row layout). Nothing is remembered from one statement to
@@ -160,17 +161,17 @@ DECLARE
   holder integer;
   holder_name text;
 BEGIN
-  IF pg_catalog.pg_try_advisory_xact_lock_shared(key) THEN
-    -- Nobody else holds it: does this session, by hand-rolled pg_advisory_lock?
-    IF EXISTS (
-      SELECT FROM pg_catalog.pg_locks
-      WHERE locktype = 'advisory' AND database = db AND objsubid = 1
-        AND classid = ((key >> 32) & 4294967295)::oid AND objid = (key & 4294967295)::oid
-        AND pid = pg_catalog.pg_backend_pid() AND mode = 'ExclusiveLock' AND granted
-    ) THEN
-      RETURN;
-    END IF;
-  ELSE
+  -- Does this session hold it, by hand-rolled pg_advisory_lock? Then the pin, in the
+  -- mode it holds, is granted at once, whoever is queued for the key.
+  IF EXISTS (
+    SELECT FROM pg_catalog.pg_locks
+    WHERE locktype = 'advisory' AND database = db AND objsubid = 1
+      AND classid = ((key >> 32) & 4294967295)::oid AND objid = (key & 4294967295)::oid
+      AND pid = pg_catalog.pg_backend_pid() AND mode = 'ExclusiveLock' AND granted
+  ) AND pg_catalog.pg_try_advisory_xact_lock(key) THEN
+    RETURN;
+  END IF;
+  IF NOT pg_catalog.pg_try_advisory_xact_lock_shared(key) THEN
     SELECT pid INTO holder FROM pg_catalog.pg_locks
     WHERE locktype = 'advisory' AND database = db AND objsubid = 1
       AND classid = ((key >> 32) & 4294967295)::oid AND objid = (key & 4294967295)::oid
@@ -277,33 +278,18 @@ SELECT DISTINCT ON (attname) attname, attgenerated, t.typname, pg_catalog.format
 FROM base b JOIN pg_catalog.pg_type t ON t.oid = b.typ
 ORDER BY attname, depth DESC
 """
-# Inheritance descendants (children, their children...), not partitions: Postgres
-# clones a partitioned table's row triggers onto its partitions itself.
-_DESCENDANTS = """
-WITH RECURSIVE tree (oid) AS (
-  SELECT i.inhrelid FROM pg_catalog.pg_inherits i WHERE i.inhparent = %s
-  UNION
-  SELECT i.inhrelid FROM tree JOIN pg_catalog.pg_inherits i ON i.inhparent = tree.oid
-)
-SELECT c.oid, n.nspname, c.relname, c.relkind
-FROM tree JOIN pg_catalog.pg_class c ON c.oid = tree.oid
-JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-WHERE NOT c.relispartition
-ORDER BY n.nspname, c.relname
-"""
-# Guarded inheritance ancestors, the farthest first.
-_ANCESTOR_GUARDS = """
-WITH RECURSIVE up (oid, depth) AS (
-  SELECT i.inhparent, 1 FROM pg_catalog.pg_inherits i WHERE i.inhrelid = %(oid)s
-  UNION
-  SELECT i.inhparent, up.depth + 1 FROM up JOIN pg_catalog.pg_inherits i ON i.inhrelid = up.oid
-)
-SELECT n.nspname, c.relname, t.tgargs
-FROM up JOIN pg_catalog.pg_class c ON c.oid = up.oid
-JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-JOIN pg_catalog.pg_trigger t ON t.tgrelid = c.oid AND t.tgname = %(row)s
-WHERE c.relkind = 'r'
-ORDER BY up.depth DESC
+# A table's links of classic inheritance, as (parent oid, parent, child): pg_inherits rows
+# naming it whose parent is no partitioned table (those are a partition's, which the
+# partitioned table's cloned row triggers cover).
+_INHERITANCE = """
+SELECT i.inhparent, pn.nspname || '.' || p.relname, cn.nspname || '.' || c.relname
+FROM pg_catalog.pg_inherits i
+JOIN pg_catalog.pg_class p ON p.oid = i.inhparent
+JOIN pg_catalog.pg_namespace pn ON pn.oid = p.relnamespace
+JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
+JOIN pg_catalog.pg_namespace cn ON cn.oid = c.relnamespace
+WHERE %(oid)s IN (i.inhparent, i.inhrelid) AND p.relkind <> 'p'
+ORDER BY 2, 3
 """
 # Enabled: the old rows' checks fire (by statement, the DELETE one too; tgtype bit 1 is ROW).
 _GUARDED = """
@@ -328,11 +314,9 @@ SELECT t.tgfoid, t.tgtype, t.tgenabled, t.tgargs, t.tgoldtable, t.tgnewtable
 FROM pg_catalog.pg_trigger t WHERE t.tgrelid = %s AND t.tgname = %s
 """
 # A table that no statement naming another table writes, and that can be kept so: a
-# plain table, neither a partition nor an inheritance child (see the module docstring).
+# plain table, not a partition (install_guard refuses an inheritance child).
 _BY_STATEMENT = """
-SELECT c.relkind = 'r' AND NOT c.relispartition
-       AND NOT EXISTS (SELECT FROM pg_catalog.pg_inherits i WHERE i.inhrelid = c.oid)
-FROM pg_catalog.pg_class c WHERE c.oid = %s
+SELECT c.relkind = 'r' AND NOT c.relispartition FROM pg_catalog.pg_class c WHERE c.oid = %s
 """
 # pg_trigger.tgtype bits: ROW 1, BEFORE 2, INSERT 4, DELETE 8, UPDATE 16, TRUNCATE 32.
 _TG_ROW, _TG_BEFORE, _TG_INSERT, _TG_DELETE, _TG_UPDATE, _TG_TRUNCATE = 1, 2, 4, 8, 16, 32
@@ -420,20 +404,6 @@ class GuardedTable:
     #: False when a trigger that checks the row as stored (after the table's other
     #: BEFORE triggers) is missing or disabled: a guard from an older release.
     stored_row_guarded: bool
-
-
-@dataclass(frozen=True)
-class UnguardedChild:
-    """An inheritance descendant of a guarded table whose rows the guard does not cover."""
-
-    #: ``schema.table`` of the guarded ancestor.
-    parent: str
-    #: Its lock name template.
-    lock_name: str
-    #: ``schema.table`` of the descendant.
-    child: str
-    #: Why its rows are not covered, for a person.
-    reason: str
 
 
 def parse_template(lock_name: str) -> list[tuple[str, str | None]]:
@@ -557,10 +527,10 @@ END
 
 
 def _unproven(key: sql.Composable) -> sql.Composable:
-    """True unless the fast path proves the lock of ``key``: in pglock.held, shared lock taken."""
+    """True unless the fast path proves the lock of ``key``: in pglock.held, and pinned."""
     return sql.SQL(
         "pg_catalog.strpos(coalesce(pg_catalog.current_setting({setting}, true), ''),"
-        " ',' || {key} || ',') = 0 OR NOT pg_catalog.pg_try_advisory_xact_lock_shared({key})"
+        " ',' || {key} || ',') = 0 OR NOT pg_catalog.pg_try_advisory_xact_lock({key})"
     ).format(setting=sql.Literal(HELD_SETTING), key=key)
 
 
@@ -801,63 +771,32 @@ def _by_statement(conn: psycopg.Connection, oid: int) -> bool:
     return bool(row and row[0])
 
 
-def _template_of(conn: psycopg.Connection, oid: int) -> str | None:
-    """The lock name template of a table's guard, or None."""
-    row = _trigger(conn, oid, ROW_TRIGGER)
-    return None if row is None else _first_argument(row[3])
-
-
 def _first_argument(args: bytes) -> str:
     return bytes(args).split(b"\0")[0].decode()
 
 
-def _descendants(conn: psycopg.Connection, oid: int) -> list[tuple[int, str, str, str]]:
+def _inheritance(conn: psycopg.Connection, oid: int) -> list[tuple[int, str, str]]:
+    """(parent oid, parent, child) of each link of classic inheritance naming a table."""
     return [
-        (int(o), str(schema), str(name), str(kind))
-        for o, schema, name, kind in conn.execute(_DESCENDANTS, (oid,)).fetchall()
+        (int(parent_oid), str(parent), str(child))
+        for parent_oid, parent, child in conn.execute(_INHERITANCE, {"oid": oid}).fetchall()
     ]
 
 
-def _check_family(
-    conn: psycopg.Connection, oid: int, qualified: str, lock_name: str
-) -> list[tuple[int, str, str]]:
-    """Return the descendants to guard with ``lock_name``; raise if one cannot be.
-
-    A table inherits its guarded ancestors' template; a descendant guarded with a
-    template other than the table's (old or new) is refused, and so is a foreign table.
-    """
-    for schema, name, args in conn.execute(
-        _ANCESTOR_GUARDS, {"oid": oid, "row": ROW_TRIGGER}
-    ).fetchall():
-        theirs = _first_argument(args)
-        if theirs != lock_name:
-            raise ConfigurationError(
-                f"{qualified} inherits from {schema}.{name}, guarded with the lock {theirs}:"
-                f" rows of {qualified} are written through {schema}.{name} too, so its guard"
-                f" is {schema}.{name}'s (pglock-celery guard install {schema}.{name} --lock"
-                f" '{theirs}' covers it)"
-            )
-    replaced = _template_of(conn, oid)
-    family = []
-    for child_oid, schema, name, kind in _descendants(conn, oid):
-        child = f"{schema}.{name}"
-        if kind != "r":
-            raise ConfigurationError(
-                f"{child}, an inheritance child of {qualified}, is a foreign table (relkind"
-                f" {kind!r}): its rows live elsewhere and the guard cannot vouch for them;"
-                f" detach it (ALTER TABLE {child} NO INHERIT {qualified}) to guard {qualified}"
-            )
-        guard = _template_of(conn, child_oid)
-        if guard not in (None, lock_name, replaced):
-            raise ConfigurationError(
-                f"{child} (an inheritance child of {qualified}) is guarded with another lock,"
-                f" {guard}: its rows are written through {qualified} too, so it must have"
-                f" {qualified}'s template. Remove its guard first (pglock-celery guard remove"
-                f" {child}), or guard {qualified} with {guard}"
-            )
-        _check_columns(conn, child_oid, child, lock_name)
-        family.append((child_oid, schema, name))
-    return family
+def _refuse_inheritance(conn: psycopg.Connection, oid: int, qualified: str) -> None:
+    """Raise ConfigurationError if the table has inheritance parents or children."""
+    links = _inheritance(conn, oid)
+    if links:
+        tree = ", ".join(f"{child} inherits from {parent}" for _, parent, child in links)
+        _, parent, child = links[0]
+        raise ConfigurationError(
+            f"{qualified} is in an inheritance tree ({tree}): a row stored in one table of"
+            " it fires only that table's row triggers, whatever table a statement names, so"
+            " no guard on one table covers the tree. Use declarative partitioning instead"
+            " (CREATE TABLE ... PARTITION BY, ATTACH PARTITION): a partitioned table's guard"
+            f" covers every partition, later ones too. Or detach (ALTER TABLE {child}"
+            f" NO INHERIT {parent})"
+        )
 
 
 def install_guard(conn_or_dsn: psycopg.Connection | str, table: str, lock_name: str) -> None:
@@ -868,10 +807,9 @@ def install_guard(conn_or_dsn: psycopg.Connection | str, table: str, lock_name: 
     ``"training:{tenant_id}"``. Idempotent: installing again with the same template
     changes nothing (and takes no lock on the table); with another, replaces it in place.
 
-    The table's inheritance descendants get the same guard (run it again after adding
-    one); a descendant already guarded with another template, or a foreign table among
-    them, raises ConfigurationError, and so does a template other than a guarded
-    ancestor's.
+    A partitioned table's guard covers its partitions, later ones too. A table with
+    inheritance parents or children (``INHERITS``, not partitions) raises
+    ConfigurationError: a row stored in a child fires only the child's row triggers.
 
     Runs in one transaction: a savepoint when ``conn_or_dsn`` is a connection inside a
     transaction (a migration), which the caller then commits. A DSN gets a connection
@@ -885,11 +823,10 @@ def install_guard(conn_or_dsn: psycopg.Connection | str, table: str, lock_name: 
         oid, schema, name = _resolve_table(conn, table)
         _pin_search_path(conn)
         qualified = f"{schema}.{name}"
+        _refuse_inheritance(conn, oid, qualified)
         parts = _check_columns(conn, oid, qualified, lock_name)
-        family = _check_family(conn, oid, qualified, lock_name)
         _install_shared(conn)
-        for member_oid, member_schema, member_name in [(oid, schema, name), *family]:
-            _guard_table(conn, member_oid, member_schema, member_name, parts, lock_name)
+        _guard_table(conn, oid, schema, name, parts, lock_name)
 
 
 def _guard_table(
@@ -992,8 +929,7 @@ def _drop_if_ours(conn: psycopg.Connection, function_oid: int) -> None:
 def remove_guard(conn_or_dsn: psycopg.Connection | str, table: str) -> None:
     """Remove the guard of ``table``: writes need no lock again. A table without one is fine.
 
-    Removes it from the table's inheritance descendants guarded with the same template
-    too. Leaves ``pglock_key()`` and the shared functions, which other tables may use.
+    Leaves ``pglock_key()`` and the shared functions, which other tables may use.
     Raises ConfigurationError for a missing table, and like ``install_guard()``
     otherwise. ``guarded_tables()`` before and after tells what was removed.
     """
@@ -1001,16 +937,7 @@ def remove_guard(conn_or_dsn: psycopg.Connection | str, table: str) -> None:
     with _errors(action, conn_or_dsn), _connection(conn_or_dsn) as conn, _transaction(conn):
         oid, schema, name = _resolve_table(conn, table)
         _pin_search_path(conn)
-        template = _template_of(conn, oid)
-        family = [(oid, schema, name)]
-        if template is not None:
-            family += [
-                (child_oid, child_schema, child_name)
-                for child_oid, child_schema, child_name, _ in _descendants(conn, oid)
-                if _template_of(conn, child_oid) == template
-            ]
-        for member_oid, member_schema, member_name in family:
-            _unguard_table(conn, member_oid, member_schema, member_name)
+        _unguard_table(conn, oid, schema, name)
 
 
 def _unguard_table(conn: psycopg.Connection, oid: int, schema: str, name: str) -> None:
@@ -1053,50 +980,16 @@ def _guarded_rows(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
     ).fetchall()
 
 
-def inheritance_children(conn: psycopg.Connection, table: str) -> list[str]:
-    """``schema.table`` of each inheritance descendant of ``table`` (not its partitions)."""
-    with conn.transaction():
-        oid, _, _ = _resolve_table(conn, table)
-        return [f"{schema}.{name}" for _, schema, name, _ in _descendants(conn, oid)]
+def guarded_parents(conn: psycopg.Connection) -> dict[str, list[str]]:
+    """Guarded tables with inheritance children, each with its children (``schema.table``).
 
-
-def unguarded_children(conn: psycopg.Connection) -> list[UnguardedChild]:
-    """Inheritance descendants of guarded tables whose rows their guard does not cover.
-
-    A child added (``CREATE TABLE ... INHERITS``, ``ALTER TABLE ... INHERIT``) after
-    install_guard ran, or whose guard was removed, disabled or changed: a write through
-    the parent reaches its rows without the lock. Running install_guard on the parent
-    again guards it.
+    install_guard refuses such a table, but a guarded table can gain a child afterwards
+    (``CREATE TABLE ... INHERITS``, ``ALTER TABLE ... INHERIT``): a write naming the child
+    fires only the child's triggers, so it needs no lock.
     """
-    found = []
-    for oid, schema, name, args, _, _, _ in _guarded_rows(conn):
-        if conn.execute(_ANCESTOR_GUARDS, {"oid": oid, "row": ROW_TRIGGER}).fetchone():
-            continue  # its guarded ancestor speaks for its descendants
-        parent, template = f"{schema}.{name}", _first_argument(args)
-        for child_oid, child_schema, child_name, kind in _descendants(conn, oid):
-            reason = _child_gap(conn, child_oid, kind, template)
-            if reason is not None:
-                found.append(
-                    UnguardedChild(parent, template, f"{child_schema}.{child_name}", reason)
-                )
+    found = {}
+    for oid, schema, name, *_ in _guarded_rows(conn):
+        children = [child for parent, _, child in _inheritance(conn, oid) if parent == oid]
+        if children:
+            found[f"{schema}.{name}"] = children
     return found
-
-
-def _child_gap(conn: psycopg.Connection, oid: int, kind: str, template: str) -> str | None:
-    if kind != "r":
-        return "a foreign table: the guard cannot cover its rows"
-    states = {}
-    for trigger in TRIGGERS:
-        found = _trigger(conn, oid, trigger)
-        if found is not None:
-            states[trigger] = found
-    if ROW_TRIGGER not in states:
-        return "it has no guard"
-    if _first_argument(states[ROW_TRIGGER][3]) != template:
-        return f"its guard asks for another lock, {_first_argument(states[ROW_TRIGGER][3])}"
-    by_statement = not states[ROW_TRIGGER][1] & _TG_ROW
-    # The names of a layout's triggers do not depend on the template.
-    expected = [t.name for t in layout([], by_statement=by_statement)] + [TRUNCATE_TRIGGER]
-    if any(t not in states or states[t][2] not in ("O", "A") for t in expected):
-        return "its guard is incomplete or disabled"
-    return None

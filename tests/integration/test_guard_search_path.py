@@ -30,9 +30,9 @@ IMPOSTORS = {
     " LANGUAGE sql AS $$SELECT 'off'::text$$",
     "lower": "CREATE FUNCTION {s}.lower(text) RETURNS text LANGUAGE sql AS $$SELECT 'off'$$",
     # The fast path: the key "is" in pglock.held, and nobody else holds it.
-    "strpos and the shared try": "CREATE FUNCTION {s}.strpos(text, text) RETURNS integer"
+    "strpos and the try": "CREATE FUNCTION {s}.strpos(text, text) RETURNS integer"
     " LANGUAGE sql AS $$SELECT 1$$;"
-    " CREATE FUNCTION {s}.pg_try_advisory_xact_lock_shared(bigint) RETURNS boolean"
+    " CREATE FUNCTION {s}.pg_try_advisory_xact_lock(bigint) RETURNS boolean"
     " LANGUAGE sql AS $$SELECT true$$",
     # Every row's key becomes the key of the lock the writer holds.
     "md5": "CREATE FUNCTION {s}.md5(text) RETURNS text LANGUAGE sql"

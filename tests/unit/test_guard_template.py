@@ -78,7 +78,7 @@ def test_the_trigger_checks_old_and_new_names_and_reads_no_pg_locks_itself(
     text = body.as_string(None)
     assert "lock_name := 't:' || coalesce(OLD.\"tenant_id\"::text, 'None')" in text
     assert "lock_name := 't:' || coalesce(NEW.\"tenant_id\"::text, 'None')" in text
-    assert "pg_try_advisory_xact_lock_shared(key)" in text
+    assert "pg_try_advisory_xact_lock(key)" in text
     assert "pg_locks" not in text  # only the slow path, pglock_guard_check, reads it
     assert ("pglock_old_rows" in text) == ("pglock_new_rows" in text) == by_statement
 
@@ -116,6 +116,7 @@ BUILTINS = (
     "current_setting",
     "strpos",
     "pg_try_advisory_xact_lock_shared",
+    "pg_try_advisory_xact_lock",
     "lower",
     "md5",
     "left",
