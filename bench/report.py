@@ -186,6 +186,8 @@ def flat_targets(scale: Data | None) -> list[Target]:
             found.append(Target(what, "issue 9", "-", None))
             continue
         ratio = flat_ratio(flat, operation, "reuse")
+        # A reported skip reads its holder from the lock (pg_locks), which grows with it.
+        why = "limit 37" if operation == "reported skip" else "see section 7a"
         none = flat_p50(flat, operation, "reuse", 0)
         most = flat_p50(flat, operation, "reuse", flat["levels"][-1])
         found.append(
@@ -196,7 +198,7 @@ def flat_targets(scale: Data | None) -> list[Target]:
                 if ratio and none and most
                 else "-",
                 ratio <= FLAT_BOUND if ratio else None,
-                "" if not ratio or ratio <= FLAT_BOUND else "see section 7a",
+                why if ratio and ratio > FLAT_BOUND else "",
             )
         )
     return found
@@ -610,10 +612,9 @@ def render_fanout(d: Data) -> list[str]:
         )
     lines += [
         "",
-        f"Mean of {d['skips_timed']} calls each. A reported skip looks its holder up by name in"
-        " `pg_stat_activity` (one row per session, so its cost follows the number of sessions,"
-        " not of locks); a holder on a shared session does not carry the lock's name and is"
-        " reported as unknown.",
+        f"Mean of {d['skips_timed']} calls each. A reported skip reads its holder from the lock"
+        " (`pg_locks`, the session granted its key), never from a session's name, so its cost"
+        " grows with the locks on the server (section 7a, docs/limits.md limit 37).",
         "",
     ]
     return lines
@@ -686,7 +687,8 @@ def render_guard(d: Data) -> list[str]:
         f" {wide[(guarded, 0)] * us:.1f} us per row, unguarded {wide[(unguarded, 0)] * us:.1f}"
         " us). On a plain table the guard checks each statement once, at its end, over its"
         " transition tables: each distinct lock name among the statement's rows is built,"
-        " hashed and checked once (a partition or an inheritance child is checked per row).",
+        " hashed and checked once (a partition is checked per row; install_guard refuses an"
+        " inheritance tree).",
         "",
     ]
     return lines
