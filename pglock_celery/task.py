@@ -38,12 +38,13 @@ from .exceptions import (
 )
 from .inspect import database_identity
 from .keys import check_lock_name, check_timeout, lock_key
-from .leader import leader_source
+from .leader import leader_setting, leader_source
 from .lock import AdvisoryLock, _current, current_lock
 from .loss import Loss
 from .monitor import Body, Hold
 from .orm import fence_orm
 from .sources import registry
+from .startup import announce
 
 logger = logging.getLogger("pglock_celery.task")
 
@@ -162,11 +163,11 @@ def configuration_problems(app: Celery) -> list[str]:
             problems.append(str(exc))
     for task in locked:
         problems.extend(task.configuration_problems())
-    for name, shard in shards if not problems else ():
-        leader = leader_source(shard)
+    for _, shard in shards if not problems else ():
+        leader, setting = leader_source(shard), leader_setting(shard)
         fenced = leader.problem(shard.check_interval) if leader is not None else None
-        if fenced is not None:
-            problems.append(fenced if shard is config else f"shard {name!r}: {fenced}")
+        if fenced is not None and setting is not None:
+            problems.append(f"{shard.named(setting)}: {fenced}")
     return problems
 
 
@@ -187,6 +188,14 @@ def _refuse_to_start(sender: Any = None, **_: Any) -> None:
     if problems:
         reasons = "".join(f"\n  - {problem}" for problem in problems)
         raise SystemExit(f"pglock-celery: worker {sender.hostname} refuses to start:{reasons}")
+
+
+@signals.worker_ready.connect
+def _say_where_locks_live(sender: Any = None, **_: Any) -> None:
+    """Log where a worker's locks live, and warn when it cannot reach there (startup.py)."""
+    app = getattr(sender, "app", None)
+    if app is not None and any(isinstance(t, TenantLockedTask) for t in app.tasks.values()):
+        announce(app)
 
 
 def _same_database(a: PglockConfig, b: PglockConfig) -> bool:
@@ -612,8 +621,10 @@ class TenantLockedTask(Task):  # type: ignore[type-arg]
         extra = {"lock": name, "task_id": self.request.id, "holder": holder_info}
         if holder is not None and holder.task_id is not None and holder.task_id == self.request.id:
             # This very call holds the lock: a copy of it delivered again while it runs
-            # (an expired visibility timeout). The run's own result is the call's; the
-            # copy stores nothing (Ignore: no result, and its message is acked).
+            # (an expired visibility timeout). The holder is read from the lock (a
+            # session that only waits for it, named with this task id, is no holder), so
+            # only a first delivery that holds it drops the copy. The run's own result is
+            # the call's; the copy stores nothing (Ignore: no result, its message acked).
             logger.info(
                 "lock %s is held by task %s[%s] itself: a redelivered copy, ignored",
                 name,

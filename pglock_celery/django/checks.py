@@ -7,10 +7,14 @@
 - ``pglock.E003``: any other invalid pglock setting;
 - ``pglock.E004``: ``pglock_pooler = "transaction"``: session locks do not survive a
   transaction-mode pooler;
+- ``pglock.E005``: a ``TenantLockedTask`` option of the project's Celery app that the
+  worker would refuse at start (a ``lock_name`` naming no argument of its task, a bad
+  ``lock_mode``, ``lock_timeout`` or ``lock_retry_countdown``);
 - ``pglock.W001``: the locks reach ``DATABASES[alias]``, which sets
   ``DISABLE_SERVER_SIDE_CURSORS`` (what Django asks behind a transaction-mode pooler).
 
-No message shows a password. Nothing connects: a check reads settings only.
+No message shows a password. Nothing connects: a check reads settings, and imports the
+task modules of the project's Celery app as its worker does.
 """
 
 from __future__ import annotations
@@ -18,13 +22,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from celery import current_app
+from django.apps import apps  # type: ignore[import-untyped]
 from django.conf import settings  # type: ignore[import-untyped]
 from django.core import checks  # type: ignore[import-untyped]
 
-from ..config import load_config
+from ..config import load_config, setting_name
 from ..exceptions import ConfigurationError
+from ..task import TenantLockedTask
 from . import dsn
-from .celery_settings import NAMESPACE, settings_app
+from .celery_settings import settings_app
 
 #: The tag of these checks (``manage.py check --tag pglock``).
 TAG = "pglock"
@@ -32,6 +39,28 @@ TAG = "pglock"
 
 def register() -> None:
     checks.register(check_pglock_settings, TAG)
+    checks.register(check_task_options, TAG)
+
+
+def check_task_options(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Every TenantLockedTask option a worker of the project's Celery app would refuse.
+
+    The project's app is Celery's current one (its module, loaded with Django as Celery's
+    guide does, made it current). Its task modules are imported as its worker finds them:
+    each installed app's ``tasks`` module (``autodiscover_tasks()``), then ``imports`` and
+    ``include``. (Not through the loader's ``import_default_modules``: Celery's Django
+    fixup would set Django up again from inside the checks.)
+    """
+    app = current_app
+    app.loader.autodiscover_tasks([config.name for config in apps.get_app_configs()])
+    for module in app.loader.default_modules:
+        app.loader.import_task_module(module)
+    return [
+        checks.Error(problem, id="pglock.E005")
+        for task in app.tasks.values()
+        if isinstance(task, TenantLockedTask)
+        for problem in task.configuration_problems()
+    ]
 
 
 def _raw(conf: Any, name: str) -> Any:
@@ -42,13 +71,17 @@ def _raw(conf: Any, name: str) -> Any:
     return value
 
 
-def _written(name: str) -> str:
-    return f"{NAMESPACE}_PGLOCK_{name.upper()}"
-
-
 def check_pglock_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    """Every problem of the pglock settings that a worker would refuse to start with."""
+    """Every problem of the pglock settings that a worker would refuse to start with.
+
+    Each names a setting as the project wrote it (``CELERY_PGLOCK_POOLER`` in Django's
+    settings, ``PGLOCK_POOLER`` in the environment), as the worker's errors do.
+    """
     conf = settings_app().conf
+
+    def _written(name: str) -> str:
+        return setting_name(conf, name)
+
     pooler = _raw(conf, "pooler")
     if isinstance(pooler, str) and pooler.strip().lower() == "transaction":
         return [

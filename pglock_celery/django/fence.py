@@ -1,27 +1,39 @@
 """A task body's ORM writes fenced by its lock (``pglock_database``).
 
-For the body's length, this thread's (or greenlet's) ``connections[alias]`` is a
+For the body's length, ``connections[alias]`` in the body's context is a
 DatabaseWrapper of the alias's own backend class whose psycopg connection is the
-lock's own handle (``lock.connection``). Every ORM statement to that database
-then runs on the lock session, and every one is inside ``lock.transaction()``: a
+lock's own handle (``lock.connection``). Every ORM statement to that database then
+runs on the lock session, and every one is inside ``lock.transaction()``: a
 transaction Django begins (``atomic()``, or autocommit turned off) is one from its
 first statement to its COMMIT, and a statement in autocommit is one of its own. So
 a write commits only if the lock is proven at the transaction's start and again
 before its COMMIT; after a loss the session is cut, and nothing more commits.
 
+Which wrapper a call gets is decided by the library's own context variable
+(``_bodys_wrapper``), which only the fence sets and resets, and which asyncio and
+asgiref carry into every thread they run the body's code in (``asyncio.run``,
+``sync_to_async`` either way, ``async_to_sync``): Django's ``connections`` storage
+asks it first (``_BodysConnections``). Neither the thread an ORM call lands in nor
+what another call of the process installed in its own thread decides. A thread
+that carries no body's context keeps the project's connections; one body's wrapper
+serves one of its threads at a time (``FencedWrapper._take_turn``), and another's
+call meanwhile is refused, never sent through another connection.
+
 Django's own code configures the connection (its cursor class, its adapters and
 time zone, ``assume_role``): only where the connection comes from and how a
-transaction begins and ends are replaced. The caller's wrapper is put back after
-the body, untouched: Celery's Django fixup closes connections before and after a
-task, outside this, and never sees the lock's.
+transaction begins and ends are replaced. The thread's own wrapper is never touched:
+Celery's Django fixup closes connections before and after a task, outside this, and
+never sees the lock's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -34,10 +46,15 @@ from psycopg import pq
 from psycopg.adapt import AdaptersMap
 
 from ..exceptions import LockLost, PglockError
+from ..lock import _caller
 from ..shield import library_code
 
 if TYPE_CHECKING:
     from ..lock import AdvisoryLock
+
+#: The fenced wrapper of the body whose context this is (None outside bodies).
+_bodys_wrapper: ContextVar[FencedWrapper | None] = ContextVar("pglock_fenced_orm", default=None)
+_install = threading.Lock()
 
 
 class _RolledBack(Exception):
@@ -52,6 +69,7 @@ def fenced_orm(lock: AdvisoryLock, alias: str) -> Iterator[None]:
     alias (an eager call made in a transaction): the body's writes could not join
     that transaction under the lock, and would wait on its row locks.
     """
+    _route_connections()
     original = connections[alias]
     if original.in_atomic_block:
         raise PglockError(
@@ -64,13 +82,48 @@ def fenced_orm(lock: AdvisoryLock, alias: str) -> Iterator[None]:
     backend: type = getattr(original, "pglock_backend", type(original))
     wrapper = fenced_class(backend)(_settings_for_the_body(original.settings_dict), alias)
     wrapper.pglock_lock = lock
-    connections[alias] = wrapper
+    token = _bodys_wrapper.set(wrapper)
     try:
         yield
     finally:
-        connections[alias] = original
+        _bodys_wrapper.reset(token)
         with contextlib.suppress(DatabaseError, PglockError):
             wrapper.close()  # rolls back what is still open; the release revokes the handle
+
+
+class _BodysConnections:
+    """Django's ``connections`` storage, asked first for the wrapper of the body whose
+    context the caller runs in; every other alias, and every caller outside a body,
+    gets what the thread's own storage holds (the project's connections).
+
+    A context copied from the body after its end (a thread it left running) still
+    finds the body's wrapper, whose lock is released: its statements fail, never go
+    through the project's connection.
+    """
+
+    __slots__ = ("_own",)
+
+    def __init__(self, own: Any) -> None:
+        object.__setattr__(self, "_own", own)
+
+    def __getattr__(self, alias: str) -> Any:
+        wrapper = _bodys_wrapper.get()
+        if wrapper is not None and wrapper.alias == alias:
+            return wrapper
+        return getattr(self._own, alias)
+
+    def __setattr__(self, alias: str, value: Any) -> None:
+        setattr(self._own, alias, value)
+
+    def __delattr__(self, alias: str) -> None:
+        delattr(self._own, alias)
+
+
+def _route_connections() -> None:
+    """Have ``connections`` ask the body's context first (once per process)."""
+    with _install:
+        if not isinstance(connections._connections, _BodysConnections):
+            connections._connections = _BodysConnections(connections._connections)
 
 
 def _settings_for_the_body(settings_dict: dict[str, Any]) -> dict[str, Any]:
@@ -100,8 +153,11 @@ def fenced_class(backend: type) -> type:
 
 @functools.cache
 def fenced_cursor_class(cursor: type) -> type:
-    """The psycopg cursor class ``cursor`` (Django's), its statements fenced."""
-    return type(f"Fenced{cursor.__name__}", (FencedCursor, cursor), {"__module__": __name__})
+    """The psycopg cursor class ``cursor`` (Django's), its statements fenced. No slot
+    added: a cursor made of ``cursor`` can be given this class (psycopg's ServerCursor,
+    which Django 4.2 makes named cursors of, has slots and no ``__dict__``)."""
+    namespace = {"__module__": __name__, "__slots__": ()}
+    return type(f"Fenced{cursor.__name__}", (FencedCursor, cursor), namespace)
 
 
 class FencedCursor:
@@ -134,6 +190,17 @@ class FencedCursor:
             yield from super().stream(*args, **kwargs)  # type: ignore[misc]
 
 
+def _cursor_class(wrapper: Any, conn_params: dict[str, Any]) -> type:
+    """The cursor class Django gives its connections: in the parameters from Django 5.0
+    on; chosen by Django 4.2's get_new_connection itself, as here."""
+    if "cursor_factory" in conn_params:
+        return conn_params["cursor_factory"]  # type: ignore[no-any-return]
+    from django.db.backends.postgresql import base  # type: ignore[import-untyped]
+
+    binding = wrapper.settings_dict["OPTIONS"].get("server_side_binding") is True
+    return base.ServerBindingCursor if binding else base.Cursor  # type: ignore[no-any-return]
+
+
 def use_adapters(handle: psycopg.Connection[Any], template: AdaptersMap) -> None:
     """Give ``handle`` the adapters of ``template``, as ``psycopg.connect(context=...)`` does.
 
@@ -153,6 +220,11 @@ class FencedWrapper:
     """
 
     pglock_lock: AdvisoryLock
+    #: Taken to change ``_user``.
+    pglock_turn: threading.Lock
+    #: The thread (and greenlet) whose transaction or statement is under way, if any:
+    #: no other may use the connection meanwhile (see _take_turn).
+    _user: tuple[int, int] | None = None
     _fenced: AbstractContextManager[psycopg.Connection[Any]] | None = None
     #: While the lock's own statements run on the handle (its proof, BEGIN, COMMIT):
     #: they pass the cursors' fence.
@@ -166,9 +238,42 @@ class FencedWrapper:
     get_autocommit: Callable[[], bool]
     connection: psycopg.Connection[Any] | None
 
+    alias: str
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.pglock_turn = threading.Lock()
         self.execute_wrappers.append(self._fence_statement)
+
+    def validate_thread_sharing(self) -> None:
+        """Any thread of the body's context may use it (asgiref's, asyncio's), one at a
+        time: Django's check that only its creating thread does becomes the turn's."""
+        self._refuse_another_thread()
+
+    def _refuse_another_thread(self) -> None:
+        user = self._user
+        if user is not None and user != _caller():
+            raise PglockError(
+                f"lock {self.pglock_lock.label}: the task body's connection to the database "
+                f"{self.alias!r} (pglock_database) is in use by another thread of the body "
+                "(a transaction or statement of its is under way): the body's ORM calls run "
+                "on its lock session one thread at a time, so this one is refused rather "
+                "than sent through another connection (docs/limits.md, limit 9)"
+            )
+
+    def _take_turn(self) -> bool:
+        """The caller's turn until _give_turn (True), or already its own (False); refused
+        while another thread has it."""
+        with self.pglock_turn:
+            self._refuse_another_thread()
+            if self._user is not None:
+                return False
+            self._user = _caller()
+            return True
+
+    def _give_turn(self) -> None:
+        with self.pglock_turn:
+            self._user = None
 
     def get_new_connection(self, conn_params: dict[str, Any]) -> psycopg.Connection[Any]:
         """The lock's handle, configured as Django configures a connection it opens."""
@@ -179,7 +284,7 @@ class FencedWrapper:
         )
         if level is not None:
             handle.isolation_level = self.isolation_level
-        handle.cursor_factory = fenced_cursor_class(conn_params["cursor_factory"])
+        handle.cursor_factory = fenced_cursor_class(_cursor_class(self, conn_params))
         handle.prepare_threshold = conn_params["prepare_threshold"]
         use_adapters(handle, conn_params["context"])
         # For its cursors (FencedCursor).
@@ -215,17 +320,23 @@ class FencedWrapper:
         """Around each statement: inside the open fenced transaction, which SQL of the
         body's own must not have ended (COMMIT or ROLLBACK through a cursor), or inside
         a fenced transaction of its own in autocommit."""
+        self._refuse_another_thread()
         if self._library:
             yield
             return
         if self._fenced is None:
-            fenced = self._enter()
+            taken = self._take_turn()
             try:
-                yield
-            except BaseException as exc:
-                self._exit(fenced, exc)
-                raise
-            self._exit(fenced, None)
+                fenced = self._enter()
+                try:
+                    yield
+                except BaseException as exc:
+                    self._exit(fenced, exc)
+                    raise
+                self._exit(fenced, None)
+            finally:
+                if taken:
+                    self._give_turn()
             return
         self._refuse_an_ended_transaction()
         yield
@@ -276,25 +387,38 @@ class FencedWrapper:
             self._library = False
 
     def _begin(self) -> None:
-        self._fenced = self._enter()
+        """The fenced transaction, the caller's turn until it ends."""
+        taken = self._take_turn()
+        try:
+            self._fenced = self._enter()
+        except BaseException:
+            if taken:
+                self._give_turn()
+            raise
 
     def _commit(self) -> None:
         """COMMIT only once the lock is proven again (LockLost and a rollback otherwise)."""
         fenced, self._fenced = self._fenced, None
         if fenced is not None:
-            with debug_transaction(self, "COMMIT"), self.wrap_database_errors:
-                self._exit(fenced, None)
+            try:
+                with debug_transaction(self, "COMMIT"), self.wrap_database_errors:
+                    self._exit(fenced, None)
+            finally:
+                self._give_turn()
 
     def _rollback(self) -> None:
         """Roll back; on a lost lock's cut session there is nothing left to roll back."""
         fenced, self._fenced = self._fenced, None
         if fenced is not None:
-            with (
-                contextlib.suppress(LockLost),
-                debug_transaction(self, "ROLLBACK"),
-                self.wrap_database_errors,
-            ):
-                self._exit(fenced, _RolledBack())
+            try:
+                with (
+                    contextlib.suppress(LockLost),
+                    debug_transaction(self, "ROLLBACK"),
+                    self.wrap_database_errors,
+                ):
+                    self._exit(fenced, _RolledBack())
+            finally:
+                self._give_turn()
 
     def _close(self) -> None:
         self._rollback()

@@ -23,8 +23,8 @@ from celery import Celery
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from tests.support.locks import terminate
-from tests.support.services import wait_until
+from tests.support.locks import key_of, terminate
+from tests.support.services import scalar, wait_until
 from tests.support.workers import ROOT, Worker
 
 PROJECT = ROOT / "tests" / "django_project"
@@ -73,11 +73,9 @@ def ok(done: subprocess.CompletedProcess[str]) -> str:
 
 @pytest.fixture(scope="module")
 def project(shop_env: dict[str, str]) -> Iterator[dict[str, str]]:
-    """The project migrated and its ledger guarded (through ``manage.py pglock guard``)."""
+    """The project migrated: its ledger guarded by its own migration (InstallGuard)."""
     ok(manage(shop_env, "migrate", "--noinput"))
-    ok(manage(shop_env, "pglock", "guard", "install", TABLE, "--lock", LOCK))
     yield shop_env
-    manage(shop_env, "pglock", "guard", "remove", TABLE)
     manage(shop_env, "migrate", "shop", "zero", "--noinput")
 
 
@@ -305,6 +303,42 @@ def test_an_eager_call_inside_atomic_is_refused(project: dict[str, str], pg_dsn:
     assert ledger(pg_dsn, "eager") == []
 
 
+def guarded(env: dict[str, str]) -> bool:
+    """Whether ``manage.py pglock guard list`` lists the ledger with its template."""
+    listed = ok(manage(env, "pglock", "guard", "list"))
+    return TABLE in listed and LOCK in listed
+
+
+def write_outside_a_lock(pg_dsn: str, tenant: str) -> None:
+    """Insert and delete a ledger row of ``tenant`` on a plain session (no lock held)."""
+    table = sql.Identifier(TABLE)
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (tenant, entry, data, written_at) VALUES (%s, 'x', '{{}}', now())"
+            ).format(table),
+            (tenant,),
+        )
+        conn.execute(sql.SQL("DELETE FROM {} WHERE tenant = %s").format(table), (tenant,))
+
+
+def test_a_migration_installs_the_guard_and_unapplying_it_removes_it(
+    project: dict[str, str], pg_dsn: str
+) -> None:
+    """InstallGuard guards the model's table as it is applied; unapplied, the guard is gone."""
+    assert guarded(project)
+    with pytest.raises(psycopg.Error, match="shop:migrated"):
+        write_outside_a_lock(pg_dsn, "migrated")
+    try:
+        ok(manage(project, "migrate", "shop", "0001", "--noinput"))
+        assert not guarded(project)
+        write_outside_a_lock(pg_dsn, "migrated")
+    finally:
+        ok(manage(project, "migrate", "shop", "--noinput"))
+    assert guarded(project)
+    assert ledger(pg_dsn, "migrated") == []
+
+
 def test_manage_py_check_passes_with_the_prod_settings(project: dict[str, str]) -> None:
     out = ok(manage(project, "check"))
     assert "no issues" in out
@@ -331,6 +365,18 @@ def test_manage_py_check_reports_each_problem(
     assert not password or password not in done.stdout + done.stderr
 
 
+def test_manage_py_check_reports_the_task_options_a_worker_would_refuse(
+    project: dict[str, str],
+) -> None:
+    """The project's Celery app, its task modules imported as a worker does: E005 for each."""
+    done = manage(project, "check", SHOP_TASK_MODULES="shop.misconfigured_tasks")
+    assert done.returncode != 0
+    problems = [line for line in done.stderr.splitlines() if "pglock.E005" in line]
+    assert len(problems) == 2, done.stderr
+    assert any("names_no_argument" in line and "'customer'" in line for line in problems)
+    assert any("unknown_mode" in line and "lock_mode" in line for line in problems)
+
+
 def test_manage_py_pglock_doctor_and_locks_use_the_alias(project: dict[str, str]) -> None:
     doctor = manage(project, "pglock", "doctor", "--json")
     assert doctor.returncode in (0, 1), doctor.stderr  # 1: this server's own findings
@@ -340,3 +386,172 @@ def test_manage_py_pglock_doctor_and_locks_use_the_alias(project: dict[str, str]
     assert isinstance(locks, list)
     listed = ok(manage(project, "pglock", "guard", "list"))
     assert TABLE in listed and LOCK in listed
+
+
+#: Pools that run several bodies in one process (a waiter beside its lock's holder).
+ONE_PROCESS_POOLS = [("threads", 4), ("gevent", 8)]
+
+
+@pytest.fixture(scope="module", params=ONE_PROCESS_POOLS, ids=[p for p, _ in ONE_PROCESS_POOLS])
+def one_process_worker(
+    request: pytest.FixtureRequest,
+    project: dict[str, str],
+    shop_app: Celery,
+    log_dir: Path,
+) -> Iterator[Worker]:
+    """A `celery -A proj worker` whose pool runs its bodies in one process."""
+    pool, concurrency = request.param
+    env = {**project, "PGLOCK_TEST_QUEUE": f"{project['SHOP_QUEUE']}-one-{pool}"}
+    started = Worker(shop_app, "proj", env, log_dir, pool=pool, concurrency=concurrency)
+    yield started
+    started.stop()
+
+
+def waiting_on(pg_dsn: str, name: str) -> int:
+    """How many sessions wait (not granted) on the advisory lock of ``name``."""
+    key = key_of(name) & 0xFFFFFFFFFFFFFFFF
+    return int(
+        scalar(
+            pg_dsn,
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            " AND classid::bigint = %s AND objid::bigint = %s AND objsubid = 1",
+            (key >> 32, key & 0xFFFFFFFF),
+        )
+    )
+
+
+def test_a_waiter_on_the_same_lock_leaves_the_holders_orm_on_the_holders_session(
+    one_process_worker: Worker, shop_app: Celery, pg_dsn: str, run_id: str, beacon: str
+) -> None:
+    """A wait call on the holder's own lock in the holder's process: the holder's ORM
+    writes still run on its lock session (the guard accepts them), then the waiter's."""
+    tenant = f"{run_id}-{one_process_worker.pool}-waiter"
+    holder = send(shop_app, one_process_worker, "write_while_another_call_waits", tenant, beacon)
+    wait_until(lambda: beacon_pid(pg_dsn, beacon, tenant) is not None, 30, "the holder's body")
+    waiter = send(shop_app, one_process_worker, "write_once_it_is_my_turn", tenant)
+    wait_until(lambda: waiting_on(pg_dsn, f"shop:{tenant}") == 1, 30, "the waiter to wait")
+    say_go(pg_dsn, beacon, tenant)
+    held = holder.get(timeout=RESULT_TIMEOUT)
+    assert held["ledger"] == "written", held
+    assert held["orm_backend"] == held["backend_pid"], held
+    waited = waiter.get(timeout=RESULT_TIMEOUT)
+    assert ledger(pg_dsn, tenant) == [("holder", held["backend_pid"]), ("waiter", waited)]
+    assert notes(pg_dsn, tenant) == ["holder"]
+
+
+def test_the_async_orm_from_sync_code_writes_on_the_lock_session(
+    worker: Worker, shop_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    """acreate() under asyncio.run(), sync_to_async either way, async_to_sync: every
+    write on the body's lock session, which the guarded table accepts."""
+    tenant = f"{run_id}-{worker.pool}-async"
+    result = send(shop_app, worker, "write_through_asgiref_hops", tenant).get(
+        timeout=RESULT_TIMEOUT
+    )
+    entries = ["acreate", "sync_to_async True", "sync_to_async False", "async_to_sync"]
+    assert result["rows"] == [[entry, result["backend_pid"]] for entry in entries]
+
+
+def test_an_async_orm_write_after_the_loss_never_commits(
+    worker: Worker, shop_app: Celery, pg_dsn: str, run_id: str, beacon: str
+) -> None:
+    """The lock's backend ended and the loss found: acreate() and sync_to_async under
+    asyncio.run() in the body commit nothing (the task ends with LockLost)."""
+    tenant = f"{run_id}-{worker.pool}-async-loss"
+    call = send(shop_app, worker, "async_writes_after_the_loss", tenant, beacon)
+    fails_with_lock_lost_once_its_backend_ends(pg_dsn, beacon, tenant, call)
+    assert notes(pg_dsn, tenant) == []
+
+
+def test_the_async_orm_inside_the_bodys_open_transaction_is_refused(
+    worker: Worker, shop_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    """acreate() under asyncio.run() inside atomic(): asgiref's thread cannot join the
+    body's transaction, and is refused (naming the lock and the limit) rather than sent
+    through the project's connection; the error rolls the block back, as any would."""
+    tenant = f"{run_id}-{worker.pool}-async-atomic"
+    seen = send(shop_app, worker, "async_orm_inside_atomic", tenant).get(timeout=RESULT_TIMEOUT)
+    assert f"lock shop:{tenant}" in seen and "limit 9" in seen, seen
+    assert notes(pg_dsn, tenant) == []
+
+
+def test_the_async_orm_writes_on_the_lock_session_under_threads_and_is_refused_under_gevent(
+    one_process_worker: Worker, shop_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    """acreate() under asyncio.run() in a body: under threads it writes on the lock
+    session; under gevent Django refuses it (asgiref's executor is a greenlet of the loop's
+    own thread: SynchronousOnlyOperation), and no row is written by any other path."""
+    tenant = f"{run_id}-{one_process_worker.pool}-async-hops"
+    call = send(shop_app, one_process_worker, "write_through_asgiref_hops", tenant)
+    if one_process_worker.pool == "threads":
+        result = call.get(timeout=RESULT_TIMEOUT)
+        assert {backend for _, backend in result["rows"]} == {result["backend_pid"]}
+        return
+    with pytest.raises(Exception) as raised:
+        call.get(timeout=RESULT_TIMEOUT)
+    assert type(raised.value).__name__ == "SynchronousOnlyOperation", raised.value
+    assert ledger(pg_dsn, tenant) == []
+
+
+@pytest.fixture
+def outcomes(pg_dsn: str) -> Iterator[str]:
+    """A table where a body records what each of its writes did."""
+    name = f"outcomes_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE TABLE {} (feature text, outcome text)").format(sql.Identifier(name))
+        )
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(name)))
+
+
+#: The ways of the ORM to write that shop.tasks.orm_writes_after_the_loss tries, in order.
+ORM_WRITES = (
+    "create", "atomic", "nested atomic", "savepoint", "on_commit", "select_for_update",
+    "bulk_create", "bulk_update", "update_or_create", "get_or_create", "update", "delete",
+    "raw sql", "set_autocommit", "close_old_connections", "connection.close",
+    "asyncio.run(acreate)", "async_to_sync(acreate)",
+)  # fmt: skip
+
+
+def _no_orm_write_commits_after_the_loss(
+    worker: Worker, shop_app: Celery, pg_dsn: str, tenant: str, beacon: str, outcomes: str
+) -> None:
+    call = send(shop_app, worker, "orm_writes_after_the_loss", tenant, beacon, outcomes)
+    fails_with_lock_lost_once_its_backend_ends(pg_dsn, beacon, tenant, call)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        seen = dict(
+            conn.execute(
+                sql.SQL("SELECT feature, outcome FROM {}").format(sql.Identifier(outcomes))
+            ).fetchall()
+        )
+    assert list(seen) == list(ORM_WRITES)  # each tried
+    assert [feature for feature, outcome in seen.items() if outcome == "written"] == [], seen
+    assert notes(pg_dsn, tenant) == ["before"]  # nothing added, changed or deleted
+
+
+def test_no_way_of_the_orm_to_write_commits_after_the_loss(
+    worker: Worker, shop_app: Celery, pg_dsn: str, run_id: str, beacon: str, outcomes: str
+) -> None:
+    """create, atomic (nested, savepoints), on_commit, select_for_update, bulk_create and
+    bulk_update, update_or_create, get_or_create, update, delete, raw SQL, set_autocommit,
+    close_old_connections, connection.close() and the async ORM, each tried once the
+    loss is found: none commits (prefork and threads)."""
+    tenant = f"{run_id}-{worker.pool}-every-write"
+    _no_orm_write_commits_after_the_loss(worker, shop_app, pg_dsn, tenant, beacon, outcomes)
+
+
+def test_no_way_of_the_orm_to_write_commits_after_the_loss_in_one_process_pools(
+    one_process_worker: Worker,
+    shop_app: Celery,
+    pg_dsn: str,
+    run_id: str,
+    beacon: str,
+    outcomes: str,
+) -> None:
+    """The same under threads and gevent, bodies sharing one process."""
+    tenant = f"{run_id}-{one_process_worker.pool}-one-every-write"
+    _no_orm_write_commits_after_the_loss(
+        one_process_worker, shop_app, pg_dsn, tenant, beacon, outcomes
+    )

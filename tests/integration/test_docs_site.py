@@ -201,22 +201,19 @@ def test_no_page_names_a_resource_on_the_internet(site: Path) -> None:
 
 
 def test_the_running_recipe_sees_a_held_lock_without_taking_it(pg_dsn: str) -> None:
-    """docs/migrating.md: a view asks whether a lock is held; asking never takes it."""
+    """docs/migrating.md: a view asks whether a lock is held (holder()); asking never takes it."""
     running = recipe("running")["running"]
     names = [f"docs-running:{uuid.uuid4().hex[:8]}", "tenant:\u00e9\u00e9", "x" * 200]
-    with (
-        psycopg.connect(pg_dsn, autocommit=True) as conn,
-        psycopg.connect(pg_dsn, autocommit=True) as other,
-    ):
+    with psycopg.connect(pg_dsn, autocommit=True) as other:
         for name in names:
-            assert running(conn, name) is False
+            assert running(name, dsn=pg_dsn) is False
             # Another key with the same low 32 bits (objid) is not this lock.
             neighbour = lock_key(name) ^ (1 << 40)
             other.execute("SELECT pg_advisory_lock(%s)", (neighbour,))
-            assert running(conn, name) is False
+            assert running(name, dsn=pg_dsn) is False
             other.execute("SELECT pg_advisory_unlock(%s)", (neighbour,))
             with try_lock(name, dsn=pg_dsn) as lock:
                 assert lock.acquired
-                assert running(conn, name) is True
+                assert running(name, dsn=pg_dsn) is True
                 assert lock.held(), "asking must not disturb the holder"
-            wait_until(lambda name=name: running(conn, name) is False, 10, "the release")
+            wait_until(lambda name=name: running(name, dsn=pg_dsn) is False, 10, "the release")

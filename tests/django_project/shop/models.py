@@ -1,4 +1,4 @@
-"""A guarded table (`shop_ledger`, lock name "shop:{tenant}", installed by the tests), and not."""
+"""A guarded table (`shop_ledger`, lock "shop:{tenant}", guarded by migration 0002), and not."""
 
 from django.db import models
 from django.utils import timezone
@@ -7,10 +7,9 @@ from django.utils import timezone
 class Ledger(models.Model):
     tenant = models.CharField(max_length=64)
     entry = models.CharField(max_length=64)
-    #: The backend that wrote the row: the lock's session, for a task's write.
-    backend = models.IntegerField(
-        db_default=models.Func(function="pg_backend_pid", output_field=models.IntegerField())
-    )
+    #: The backend that wrote the row: the lock's session, for a task's write (set by the
+    #: table's own trigger, migration 0001: Django 4.2 has no db_default).
+    backend = models.IntegerField(null=True)
     written_at = models.DateTimeField(default=timezone.now)
     data = models.JSONField(default=dict)
 

@@ -29,3 +29,5 @@ DATABASES = {"default": _default}
 CELERY_BROKER_URL = os.environ.get("SHOP_BROKER_URL", "memory://")
 CELERY_RESULT_BACKEND = os.environ.get("SHOP_BROKER_URL", "cache+memory://")
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("SHOP_QUEUE", "shop")
+# More task modules, as a project lists them (the tests name one that a worker refuses).
+CELERY_IMPORTS = tuple(filter(None, os.environ.get("SHOP_TASK_MODULES", "").split(",")))
