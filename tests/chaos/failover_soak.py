@@ -53,7 +53,13 @@ from tasks.report import Summary
 from tasks.run import schema_dsn
 from tests.chaos import mix
 from tests.support.orchestra import Orchestra
-from tests.support.patroni import PATRONI_VENV, ClusterUnavailable, Member, PatroniCluster
+from tests.support.patroni import (
+    PATRONI_VENV,
+    ClusterUnavailable,
+    Member,
+    PatroniCluster,
+    ensure_tools,
+)
 from tests.support.services import EmbeddedRedis, wait_until
 
 STRATEGIES = ("reuse", "connect")
@@ -272,6 +278,13 @@ def run(args: argparse.Namespace) -> int:
     strategy = args.strategy or "reuse"
     seed = args.seed if args.seed is not None else int(time.time())
     rng = random.Random(seed)
+    try:
+        # What `make test` builds too (etcd, Patroni's venv, the account Patroni runs as),
+        # before the cluster is made: it is made for that account.
+        ensure_tools()
+    except ClusterUnavailable as exc:
+        print(f"soak: {exc}; build it: .venv/bin/python -m tests.support.patroni --install")
+        return 2
     base = Path(tempfile.mkdtemp(prefix="pglock-soak-"))
     faults: Counter[str] = Counter()
     failovers: list[Failover] = []
