@@ -36,7 +36,7 @@ $(OLDEST_STAMP): pyproject.toml .ci/oldest.txt
 	$(PYTHON) -m venv $(OLDEST)
 	$(OLDEST)/bin/python -m pip install --quiet --upgrade pip
 	$(OLDEST)/bin/python -m pip install --quiet -c .ci/oldest.txt -e '.[redis,binary]' \
-		pytest pytest-timeout hypothesis django pyyaml psutil flower rich
+		pytest pytest-timeout hypothesis django gevent pyyaml psutil flower rich
 	touch $(OLDEST_STAMP)
 
 # Options: make run ARGS="--tenants 20 --replicas 3 --duration 60 --fast --chaos"
@@ -81,14 +81,18 @@ test: lint matrix $(PATRONI_STAMP)
 		tests/integration/test_fail_closed.py tests/chaos/test_faults.py -k '$(NOT_UNDER_SHARED)'
 	$(PY) -m pytest -m failover tests/failover
 
-# The oldest Celery the metadata allows (the main venv has the newest): unit tests, the
-# worker tests that prove G1, G2 and the lock modes, and the celery sub-command.
+# The oldest Celery the metadata allows, and the oldest Django the tests allow (the main
+# venv has the newest): unit tests, the worker tests that prove G1, G2 and the lock modes,
+# the celery sub-command, and the Django project (the ORM fence under every pool).
 matrix: $(OLDEST_STAMP)
 	$(OLDEST)/bin/python -c 'import celery, kombu, psycopg; \
 		print("oldest: celery", celery.__version__, "kombu", kombu.__version__, "psycopg", psycopg.__version__)'
 	$(OLDEST)/bin/python -m pytest tests/unit tests/integration/test_celery_command.py
 	$(OLDEST)/bin/python -m pytest tests/integration/test_workers.py \
 		-k 'overlap or sigkill or wait_mode or retry_mode or released'
+	$(OLDEST)/bin/python -c 'import django; print("oldest: django", django.__version__)'
+	$(OLDEST)/bin/python -m pytest tests/integration/test_django_project.py \
+		tests/integration/test_django_dsn.py
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit
@@ -112,7 +116,7 @@ bench: $(STAMP)
 # Patroni cluster, with failovers among the faults (a switchover, the leader's Postgres or
 # Patroni SIGKILLed, its Patroni paused): make soak ARGS="--patroni --strategy connect
 # --duration 600" (tests/chaos/failover_soak.py; Patroni's venv is built when missing).
-soak: $(STAMP)
+soak: $(STAMP) $(if $(findstring --patroni,$(ARGS)),$(PATRONI_STAMP))
 	$(PY) -m tests.chaos.soak $(ARGS)
 
 # Mutation testing of keys, config, task (names and modes) and sessions with the tests

@@ -136,8 +136,12 @@ def test_a_task_takes_its_lock_on_the_shard_of_its_name(three: dict[str, str]) -
         tenant = name.split(":", 1)[1]
         # Another session of the same shard holds the name: the task skips.
         with psycopg.connect(dsn, autocommit=True) as rival:
-            rival.execute("SELECT pg_advisory_lock(%s)", (lock_key(f"shard-task:{tenant}"),))
+            key = lock_key(f"shard-task:{tenant}")
+            rival.execute("SELECT pg_advisory_lock(%s)", (key,))
             assert step.apply(args=(tenant,)).result != "ran"
+            # Let go in a statement: a closed connection's backend ends, and frees the
+            # lock, after the client has moved on.
+            rival.execute("SELECT pg_advisory_unlock(%s)", (key,))
         assert step.apply(args=(tenant,)).result == "ran"
         assert seen[tenant] == config.for_key(lock_key(f"shard-task:{tenant}")).dsn
 
