@@ -48,11 +48,32 @@ def _table(schema_editor: Any, model: Any) -> str:
     return str(schema_editor.quote_name(model._meta.db_table))
 
 
-class InstallGuard(Operation):  # type: ignore[misc]
+class _GuardOperation(Operation):  # type: ignore[misc]
+    """What both operations do: install or remove a model's guard on the migration's own
+    connection, where the router lets the model be migrated."""
+
+    reduces_to_sql = False
+    model_name: str
+
+    def state_forwards(self, app_label: str, state: Any) -> None:
+        """A guard changes no model."""
+
+    def _install(self, app_label: str, schema_editor: Any, state: Any, lock_name: str) -> None:
+        model = state.apps.get_model(app_label, self.model_name)
+        if self.allow_migrate_model(schema_editor.connection.alias, model):
+            conn = _psycopg_connection(schema_editor)
+            install_guard(conn, _table(schema_editor, model), lock_name)
+
+    def _remove(self, app_label: str, schema_editor: Any, state: Any) -> None:
+        model = state.apps.get_model(app_label, self.model_name)
+        if self.allow_migrate_model(schema_editor.connection.alias, model):
+            remove_guard(_psycopg_connection(schema_editor), _table(schema_editor, model))
+
+
+class InstallGuard(_GuardOperation):
     """Guard a model's table: a write to a row needs the lock ``lock_name`` names for it."""
 
     reversible = True
-    reduces_to_sql = False
 
     def __init__(self, model_name: str, lock_name: str) -> None:
         parse_template(lock_name)  # a bad template fails as the migration loads
@@ -63,23 +84,15 @@ class InstallGuard(Operation):  # type: ignore[misc]
         kwargs = {"model_name": self.model_name, "lock_name": self.lock_name}
         return type(self).__qualname__, [], kwargs
 
-    def state_forwards(self, app_label: str, state: Any) -> None:
-        """A guard changes no model."""
-
     def database_forwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
     ) -> None:
-        model = to_state.apps.get_model(app_label, self.model_name)
-        if self.allow_migrate_model(schema_editor.connection.alias, model):
-            conn = _psycopg_connection(schema_editor)
-            install_guard(conn, _table(schema_editor, model), self.lock_name)
+        self._install(app_label, schema_editor, to_state, self.lock_name)
 
     def database_backwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
     ) -> None:
-        model = from_state.apps.get_model(app_label, self.model_name)
-        if self.allow_migrate_model(schema_editor.connection.alias, model):
-            remove_guard(_psycopg_connection(schema_editor), _table(schema_editor, model))
+        self._remove(app_label, schema_editor, from_state)
 
     def describe(self) -> str:
         return f"Guard {self.model_name}'s table with lock {self.lock_name!r}"
@@ -89,10 +102,8 @@ class InstallGuard(Operation):  # type: ignore[misc]
         return f"guard_{self.model_name.lower()}"
 
 
-class RemoveGuard(Operation):  # type: ignore[misc]
+class RemoveGuard(_GuardOperation):
     """Remove a model's guard; unapplied, it installs ``lock_name`` again (when given)."""
-
-    reduces_to_sql = False
 
     def __init__(self, model_name: str, lock_name: str | None = None) -> None:
         if lock_name is not None:
@@ -111,15 +122,10 @@ class RemoveGuard(Operation):  # type: ignore[misc]
             kwargs["lock_name"] = self.lock_name
         return type(self).__qualname__, [], kwargs
 
-    def state_forwards(self, app_label: str, state: Any) -> None:
-        """A guard changes no model."""
-
     def database_forwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
     ) -> None:
-        model = to_state.apps.get_model(app_label, self.model_name)
-        if self.allow_migrate_model(schema_editor.connection.alias, model):
-            remove_guard(_psycopg_connection(schema_editor), _table(schema_editor, model))
+        self._remove(app_label, schema_editor, to_state)
 
     def database_backwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
@@ -129,10 +135,7 @@ class RemoveGuard(Operation):  # type: ignore[misc]
                 f"RemoveGuard(model_name={self.model_name!r}) cannot be unapplied: give it "
                 "the lock_name to install again"
             )
-        model = to_state.apps.get_model(app_label, self.model_name)
-        if self.allow_migrate_model(schema_editor.connection.alias, model):
-            conn = _psycopg_connection(schema_editor)
-            install_guard(conn, _table(schema_editor, model), self.lock_name)
+        self._install(app_label, schema_editor, to_state, self.lock_name)
 
     def describe(self) -> str:
         return f"Remove the guard of {self.model_name}'s table"
