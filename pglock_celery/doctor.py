@@ -39,6 +39,7 @@ from .patroni import (
     Timing,
     TimingRejected,
     fenced_check_interval,
+    member_started_at,
     shortest_ttl,
     shown,
 )
@@ -915,17 +916,6 @@ def _dsn_hosts(dsn: str) -> list[tuple[str, int]]:
     return [(host, int(port or 5432)) for host, port in zip(hosts, ports, strict=False)]
 
 
-def _started_at(body: Any) -> datetime.datetime | None:
-    text = body.get("postmaster_start_time") if isinstance(body, dict) else None
-    if not isinstance(text, str):
-        return None
-    try:
-        value = datetime.datetime.fromisoformat(text)
-    except ValueError:
-        return None
-    return value if value.tzinfo is not None else None
-
-
 def _host_identity(dsn: str, host: str, port: int) -> datetime.datetime | None:
     """The postmaster start time of the server at ``host``:``port`` of ``dsn`` (what the
     fence knows a server by: leader.server_identity), None when it cannot be reached."""
@@ -961,7 +951,7 @@ def check_fence_leader(
     base = _api_base(leader)
     if body is None and base is not None:
         body = fence.status(base, "/patroni").body
-    started = _started_at(body)
+    started = member_started_at(body)
     if started is not None:
         found = any(_host_identity(dsn, host, port) == started for host, port in hosts)
     else:  # its start time unknown: where the DSN's hosts and Patroni's lead, by address

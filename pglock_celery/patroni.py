@@ -378,7 +378,8 @@ def _loop_read_age(answer: Answer) -> float | None:
     return answer.date - float(seen)
 
 
-def _started_at(body: Any) -> datetime.datetime | None:
+def member_started_at(body: Any) -> datetime.datetime | None:
+    """The postmaster start time a member's status reports (aware), or None."""
     text = body.get("postmaster_start_time") if isinstance(body, dict) else None
     if not isinstance(text, str):
         return None
@@ -431,7 +432,7 @@ def judge(
         return refuse(f"cannot tell: no answer ({answer.error or 'no response'})")
     if not isinstance(body, dict):
         return refuse(f"cannot tell: HTTP {answer.status} without a status in JSON")
-    started = _started_at(body)
+    started = member_started_at(body)
     if started is None:
         return refuse("cannot tell: its Postgres is not running or reports no start time")
     if started != server.started_at:
