@@ -172,9 +172,9 @@ class FencedCursor:
     __slots__ = ()
     connection: Any  # the lock's handle, with its pglock_statement()
 
-    def execute(self, *args: Any, **kwargs: Any) -> Any:
-        with self.connection.pglock_statement():
-            return super().execute(*args, **kwargs)  # type: ignore[misc]
+    def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+        with self.connection.pglock_statement(query):
+            return super().execute(query, *args, **kwargs)  # type: ignore[misc]
 
     def executemany(self, *args: Any, **kwargs: Any) -> Any:
         with self.connection.pglock_statement():
@@ -229,9 +229,13 @@ class FencedWrapper:
     #: While the lock's own statements run on the handle (its proof, BEGIN, COMMIT):
     #: they pass the cursors' fence.
     _library = False
+    #: While Django sets up the connection it opened (init_connection_state): its
+    #: time-zone statement passes the fence.
+    _setting_up = False
 
     # The attributes of Django's DatabaseWrapper used here.
     settings_dict: dict[str, Any]
+    ops: Any
     isolation_level: Any
     execute_wrappers: list[Callable[..., Any]]
     wrap_database_errors: AbstractContextManager[None]
@@ -291,6 +295,25 @@ class FencedWrapper:
         handle.pglock_statement = self._statement_fence  # type: ignore[attr-defined]
         return handle
 
+    def init_connection_state(self) -> None:
+        """Django's set-up of the connection it opened, under the caller's turn.
+
+        Its time-zone statement (``ops.set_time_zone_sql()``, the text Django sends)
+        sets a session setting and writes no data: it is sent alone, one round trip,
+        not as a fenced transaction of its own on every call (each release's DISCARD
+        ALL resets the zone, so every body's connection sets it again). Any other
+        statement sent here (assume_role's SET ROLE, a backend's own) stays fenced.
+        The turn keeps every other thread's statement out meanwhile.
+        """
+        taken = self._take_turn()
+        self._setting_up = True
+        try:
+            super().init_connection_state()  # type: ignore[misc]
+        finally:
+            self._setting_up = False
+            if taken:
+                self._give_turn()
+
     def _set_autocommit(self, autocommit: bool) -> None:
         """Autocommit off: the fenced transaction begins now, before any statement
         (whatever path the first takes); on again only once it has ended."""
@@ -316,12 +339,13 @@ class FencedWrapper:
         return cursor
 
     @contextlib.contextmanager
-    def _statement_fence(self) -> Iterator[None]:
-        """Around each statement: inside the open fenced transaction, which SQL of the
-        body's own must not have ended (COMMIT or ROLLBACK through a cursor), or inside
-        a fenced transaction of its own in autocommit."""
+    def _statement_fence(self, query: Any = None) -> Iterator[None]:
+        """Around each statement (``query`` when executed): inside the open fenced
+        transaction, which SQL of the body's own must not have ended (COMMIT or
+        ROLLBACK through a cursor), or inside a fenced transaction of its own in
+        autocommit; the lock's own statements and Django's time-zone set-up as they are."""
         self._refuse_another_thread()
-        if self._library:
+        if self._library or (self._setting_up and query == self.ops.set_time_zone_sql()):
             yield
             return
         if self._fenced is None:

@@ -49,6 +49,9 @@ def shop_env(pg_dsn: str, broker_url: str) -> dict[str, str]:
         "SHOP_BROKER_URL": broker_url,
         "SHOP_QUEUE": f"shop-{uuid.uuid4().hex[:8]}",
         "PGLOCK_DSN": "",  # the lock DSN comes from DATABASES["default"] only
+        # Sessions start in a zone other than Django's (UTC), as on many servers: each
+        # connection Django opens sets its own (and each release's DISCARD ALL undoes it).
+        "PGTZ": "America/Chicago",
     }
     env["PGLOCK_TEST_QUEUE"] = env["SHOP_QUEUE"]
     return env
@@ -183,6 +186,24 @@ def test_a_locked_tasks_orm_writes_commit_on_the_lock_session(
     assert result["aware"]  # Django's time zone loader on the lock's handle
     assert result["writers"] == [result["backend_pid"]]
     assert ledger(pg_dsn, tenant) == [("paid", result["backend_pid"])] * 2
+
+
+def round_trips(messages: list[list[str]]) -> int:
+    """How many times the client waited for the server: each simple Query or Sync ends one."""
+    return sum(kind in ("Query", "Sync") for kind, *_ in messages)
+
+
+def test_djangos_time_zone_set_up_runs_outside_the_fence_in_one_round_trip(
+    worker: Worker, shop_app: Celery, run_id: str
+) -> None:
+    """The connection Django opens in a body sets its time zone (the session starts in
+    another): a session setting, sent alone, never as a fenced transaction of its own."""
+    tenant = f"{run_id}-{worker.pool}"
+    sent = send(shop_app, worker, "one_write_traced", tenant).get(timeout=RESULT_TIMEOUT)
+    texts = [text for _, *rest in sent for text in rest]
+    set_up = next(i for i, text in enumerate(texts) if "'TimeZone'" in text)
+    assert not any("BEGIN" in text for text in texts[:set_up]), sent
+    assert round_trips(sent) <= 8, sent
 
 
 def test_the_bodys_own_orm_sql_cannot_free_its_lock(

@@ -1,6 +1,7 @@
 """The shop's locked tasks: ORM writes under the tenant's lock (pglock_database = "default")."""
 
 import asyncio
+import tempfile
 import time
 from typing import Any
 
@@ -8,7 +9,7 @@ import psycopg
 from asgiref.sync import async_to_sync, sync_to_async
 from celery import shared_task
 from django.db import connection, transaction
-from psycopg import sql
+from psycopg import pq, sql
 
 from pglock_celery import LockLost, PglockError, TenantLockedTask, current_lock
 from pglock_celery.django import dsn
@@ -43,6 +44,25 @@ def record(tenant: str, entry: str) -> dict[str, Any]:
         "data": [row.data for row in rows],
         "aware": all(row.written_at.tzinfo is not None for row in rows),
     }
+
+
+@shared_task(base=TenantLockedTask, lock_name=LOCK)
+def one_write_traced(tenant: str) -> list[list[str]]:
+    """One row created in autocommit, the lock session's protocol traced by libpq
+    meanwhile: every message the client sent, as [type, text]."""
+    lock = current_lock()
+    assert lock is not None
+    pgconn = lock.connection.pgconn
+    with tempfile.TemporaryFile("w+") as trace:
+        pgconn.trace(trace.fileno())
+        pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+        try:
+            Note.objects.create(tenant=tenant, text="traced")
+        finally:
+            pgconn.untrace()
+        trace.seek(0)
+        lines = [line.split("\t") for line in trace.read().splitlines()]
+    return [fields[2:4] for fields in lines if fields[0] == "F" and len(fields) > 2]
 
 
 @shared_task(base=TenantLockedTask, lock_name=LOCK)
