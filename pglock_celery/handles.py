@@ -204,6 +204,26 @@ class HandleConnection(SessionConnection):
 
     #: Revokes this handle with a message (set by the session that made it).
     on_close: Callable[[psycopg.Connection[Any], str], None]
+    #: While lock.transaction() is open on it (sources/base.py): its commit is the
+    #: block's, once the lock is proven again.
+    in_fenced_transaction = False
+
+    def commit(self) -> None:
+        self._refuse_inside_the_lock_transaction("commit")
+        super().commit()
+
+    def rollback(self) -> None:
+        self._refuse_inside_the_lock_transaction("rollback")
+        super().rollback()
+
+    def _refuse_inside_the_lock_transaction(self, what: str) -> None:
+        """As psycopg refuses them inside its own transaction() block."""
+        if self.in_fenced_transaction:
+            raise psycopg.ProgrammingError(
+                f"explicit {what}() forbidden inside lock.transaction(): the block commits "
+                "as it ends, once the lock is proven again (raise psycopg.Rollback() or "
+                "an exception to roll it back)"
+            )
 
     def close(self) -> None:
         if not self.closed:

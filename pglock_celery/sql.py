@@ -183,6 +183,35 @@ RESTORE_AFTER_TRANSACTION = (
     b" FROM (SELECT %s::pg_catalog.int8 AS k) AS key"
 )
 
+#: The savepoint a holder's statements run under in that transaction: after one of
+#: them failed, the transaction is rolled back to it, so the restore still runs.
+HOLDER_SAVEPOINT = b"pglock_holder"
+
+
+def holder_transaction_opening(begin: bytes, key: int) -> bytes:
+    """BEGIN (``begin``, with the handle's modes), the proof and pin, and the holder's
+    savepoint: one simple query, one round trip; the key inlined (an int, parenthesised
+    so that the smallest int8 is read whole)."""
+    prove = PROVE_AND_PIN.replace(b"%s", b"(%d)" % key)
+    return b"%s; %s; SAVEPOINT %s" % (begin, prove, HOLDER_SAVEPOINT)
+
+
+def holder_transaction_end(key: int, *, failed: bool, commit: bool) -> bytes:
+    """Back out of the holder's savepoint (rolled back to it first when ``failed``),
+    restore the key's count, and, with ``commit``, COMMIT (ROLLBACK when ``failed``):
+    one simple query. A statement of it that fails skips the rest (the caller rolls
+    back what is left open)."""
+    parts = [b"RELEASE SAVEPOINT " + HOLDER_SAVEPOINT]
+    if failed:
+        parts.insert(0, b"ROLLBACK TO SAVEPOINT " + HOLDER_SAVEPOINT)
+    parts.append(RESTORE_AFTER_TRANSACTION.replace(b"%s", b"(%d)" % key))
+    if failed:
+        parts.append(b"ROLLBACK")
+    elif commit:
+        parts.append(b"COMMIT")
+    return b"; ".join(parts)
+
+
 #: Is the server a primary, and does this session still hold the key? The key is
 #: pinned for the statement first (granted at once to the session that holds it,
 #: refused when another does), so unlocking one session-level count and taking it

@@ -17,7 +17,7 @@ from .. import sql
 from ..config import PglockConfig
 from ..dsn import describe_target, without_server
 from ..exceptions import LockLost, LockUnavailable
-from ..handles import SessionConnection, StatementDeadline
+from ..handles import HandleConnection, SessionConnection, StatementDeadline
 from ..inspect import Holder, holder_on
 from ..leader import LeaderSource, Standing, leader_source
 from ..loss import Loss, LossKind, lock_gone, session_ended
@@ -41,7 +41,7 @@ CONNECT, REUSE, SHARED = "connect", "reuse", "shared"
 
 @contextlib.contextmanager
 def fenced_transaction(
-    hold: Hold, handle: psycopg.Connection[Any], before_commit: Callable[[], None]
+    hold: Hold, handle: psycopg.Connection[Any], before_commit: Callable[[], None] | None
 ) -> Iterator[psycopg.Connection[Any]]:
     """``handle`` inside a transaction that can commit only while its session holds the lock.
 
@@ -55,6 +55,12 @@ def fenced_transaction(
     body's are not: a COMMIT that waits longer (for synchronous replication, say)
     ends in LockLost saying that whether it committed is unknown. A failure of the
     session itself is a lost lock (LockLost, its cause chained).
+
+    Its own statements go in two round trips (sql.holder_transaction_opening and
+    _end), on the session's own connection: the server runs each group back to
+    back, and only the last statement of the last group commits, so a session that
+    ends anywhere before it commits nothing. With ``before_commit`` (a leader to
+    confirm, a previous shard) the COMMIT goes alone, once it has passed.
     """
     session = hold.session
     assert session is not None
@@ -76,20 +82,28 @@ def fenced_transaction(
                         with library_code():
                             handle.execute(sql.RESTORE_AFTER_TRANSACTION, (hold.key,))
         else:
-            with _bounded(handle, deadline), handle.transaction() as outer:
-                proven = _prove(handle, hold.key, deadline)
-                if not proven:
-                    raise psycopg.Rollback(outer)
+            own = session.conn
+            proven = _open(own, handle, hold.key)
+            if proven:
+                assert isinstance(handle, HandleConnection)
+                handle.in_fenced_transaction = True
                 try:
-                    with _bounded(handle, None), handle.transaction():  # the body's savepoint
-                        yield handle
-                finally:
-                    if handle.pgconn.transaction_status == pq.TransactionStatus.INTRANS:
-                        with library_code():
-                            handle.execute(sql.RESTORE_AFTER_TRANSACTION, (hold.key,))
-                with library_code():
-                    before_commit()
-                committing = True  # the COMMIT is sent as the block ends
+                    yield handle
+                except BaseException as exc:
+                    handle.in_fenced_transaction = False
+                    _end_after_failure(own, hold.key)
+                    if not isinstance(exc, psycopg.Rollback) or exc.transaction is not None:
+                        raise
+                    return  # psycopg.Rollback(): the block's work undone, as psycopg does
+                handle.in_fenced_transaction = False
+                committing = before_commit is None
+                _end(own, hold.key, commit=committing)
+                if before_commit is not None:
+                    with library_code():
+                        before_commit()
+                    committing = True
+                    with library_code():
+                        own.execute(b"COMMIT", prepare=False)
     except StatementDeadline as exc:
         if committing:
             loss = hold.lost or Loss(
@@ -116,6 +130,74 @@ def fenced_transaction(
         loss = lock_gone("the session no longer holds the lock (found as the transaction began)")
         hold.mark_lost(loss)
         raise LockLost(f"lock {hold.label} was lost: {hold.lost or loss}")
+
+
+def _open(own: psycopg.Connection[Any], handle: psycopg.Connection[Any], key: int) -> bool:
+    """Begin the holder's transaction (in ``handle``'s modes), prove and pin ``key``,
+    and open the holder's savepoint, in one round trip; whether the key is held (the
+    transaction is rolled back when not)."""
+    opening = sql.holder_transaction_opening(_begin(handle), key)
+    with library_code():
+        try:
+            cursor = own.execute(opening, prepare=False)
+            cursor.nextset()  # the proof's row
+            row = cursor.fetchone()
+        except BaseException:
+            _roll_back_what_is_open(own)
+            raise
+        if row is None or row[0] is not True:
+            own.execute(b"ROLLBACK", prepare=False)
+            return False
+    return True
+
+
+def _end(own: psycopg.Connection[Any], key: int, *, commit: bool) -> None:
+    """Out of the holder's savepoint, the key's count restored, and COMMIT with
+    ``commit``: one round trip. What a failure leaves open is rolled back."""
+    with library_code():
+        try:
+            own.execute(sql.holder_transaction_end(key, failed=False, commit=commit), prepare=False)
+        except BaseException:
+            _roll_back_what_is_open(own)
+            raise
+
+
+def _end_after_failure(own: psycopg.Connection[Any], key: int) -> None:
+    """After the holder's block failed: back to its savepoint, the key's count restored,
+    and ROLLBACK, in one round trip. A session that fails meanwhile leaves nothing to
+    roll back; the block's own error is the one that goes on."""
+    with library_code(), contextlib.suppress(psycopg.Error):
+        if own.pgconn.transaction_status == pq.TransactionStatus.IDLE:
+            return  # ended by SQL of the holder's own: nothing is left to end
+        try:
+            own.execute(sql.holder_transaction_end(key, failed=True, commit=False), prepare=False)
+        finally:
+            _roll_back_what_is_open(own)
+
+
+def _roll_back_what_is_open(own: psycopg.Connection[Any]) -> None:
+    """ROLLBACK when a transaction is still open (a statement of a group failed, and
+    skipped the rest); nothing on a closed or idle session."""
+    if not own.closed and own.pgconn.transaction_status in (
+        pq.TransactionStatus.INTRANS,
+        pq.TransactionStatus.INERROR,
+    ):
+        with contextlib.suppress(psycopg.Error):
+            own.execute(b"ROLLBACK", prepare=False)
+
+
+def _begin(handle: psycopg.Connection[Any]) -> bytes:
+    """BEGIN in ``handle``'s isolation level, read-only and deferrable modes (Django sets
+    the level), as psycopg's own transaction() begins."""
+    parts = [b"BEGIN"]
+    if handle.isolation_level is not None:
+        level = psycopg.IsolationLevel(handle.isolation_level).name.replace("_", " ")
+        parts.append(b"ISOLATION LEVEL " + level.encode())
+    if handle.read_only is not None:
+        parts.append(b"READ ONLY" if handle.read_only else b"READ WRITE")
+    if handle.deferrable is not None:
+        parts.append(b"DEFERRABLE" if handle.deferrable else b"NOT DEFERRABLE")
+    return b" ".join(parts)
 
 
 def _replication_wait(hold: Hold, statement: bytes, bound: float) -> Loss | None:

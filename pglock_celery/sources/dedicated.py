@@ -291,7 +291,9 @@ class DedicatedSource(Source):
                 also_held()
             self.before_commit(hold)
 
-        return fenced_transaction(hold, self.connection(hold), before_commit)
+        # Nothing to ask before the COMMIT: it goes with the transaction's end.
+        asks = also_held is not None or self.fence is not None
+        return fenced_transaction(hold, self.connection(hold), before_commit if asks else None)
 
     def end_use(self, hold: Hold, loss: Loss) -> None:
         """Cut the session: it is the holder's alone, and no statement of its may follow.

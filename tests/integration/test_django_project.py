@@ -203,7 +203,22 @@ def test_djangos_time_zone_set_up_runs_outside_the_fence_in_one_round_trip(
     texts = [text for _, *rest in sent for text in rest]
     set_up = next(i for i, text in enumerate(texts) if "'TimeZone'" in text)
     assert not any("BEGIN" in text for text in texts[:set_up]), sent
-    assert round_trips(sent) <= 8, sent
+    assert round_trips(sent[: set_up + 1]) == 1, sent
+
+
+def test_a_fenced_autocommit_write_costs_three_round_trips(
+    worker: Worker, shop_app: Celery, run_id: str
+) -> None:
+    """One Model.objects.create() in autocommit: BEGIN, the proof and the savepoint in one
+    round trip, the INSERT, then the release of the savepoint, the restore and the
+    COMMIT in one (no leader to ask first). Unfenced, it is the INSERT alone."""
+    tenant = f"{run_id}-{worker.pool}"
+    sent = send(shop_app, worker, "one_write_traced", tenant).get(timeout=RESULT_TIMEOUT)
+    texts = [text for _, *rest in sent for text in rest]
+    begin = next(i for i, text in enumerate(texts) if "BEGIN" in text)
+    write = sent[begin:]
+    assert round_trips(write) == 3, write
+    assert "COMMIT" in texts[-1] and "INSERT" in texts[-2], write
 
 
 def test_the_bodys_own_orm_sql_cannot_free_its_lock(

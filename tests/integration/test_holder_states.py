@@ -547,9 +547,9 @@ class HolderLives(RuleBasedStateMachine):
     @rule(
         data=st.data(),
         body=st.sampled_from(
-            ["write", "caught_error", "rollback", "raise", "uncaught_error", "unlock_all"]
+            ["write", "caught_error", "rollback", "raise", "uncaught_error", "unlock_all", "commit"]
         ),
-        meanwhile=st.sampled_from([None, None, "terminate"]),
+        meanwhile=st.sampled_from([None, None, "terminate", "terminate_first"]),
     )
     def fenced_transaction(self, data: st.DataObject, body: str, meanwhile: str | None) -> None:
         """lock.transaction() with a write (and an error, a rollback, an unlock inside)."""
@@ -566,6 +566,11 @@ class HolderLives(RuleBasedStateMachine):
         try:
             with entry.lock.transaction() as tx:
                 entry.handle = tx
+                if meanwhile == "terminate_first":
+                    # Between the transaction's opening and the holder's first statement.
+                    self._terminate(entry)
+                    time.sleep(MOMENT)
+                    self._found_lost(entry, "inside lock.transaction(), before a statement")
                 self._insert(tx, mark)
                 if meanwhile == "terminate":
                     self._terminate(entry)
@@ -581,6 +586,8 @@ class HolderLives(RuleBasedStateMachine):
                     raise ValueError("the body failed")
                 elif body == "uncaught_error":
                     tx.execute("SELECT 1/0")
+                elif body == "commit":
+                    tx.commit()  # refused: the block commits, once the lock is proven again
                 elif body == "unlock_all":
                     tx.execute("SELECT pg_advisory_unlock_all()")
                     # Pinned for the transaction: the holder's own unlock frees nothing.
@@ -590,13 +597,17 @@ class HolderLives(RuleBasedStateMachine):
                     )
         except (LockLost, ValueError, psycopg.Error) as exc:
             outcome = exc
-        if meanwhile == "terminate":
+        if meanwhile is not None:
             assert isinstance(outcome, LockLost), (
                 f"{entry}: a fenced transaction whose session was terminated gave {outcome!r}"
             )
             assert self._count(mark) == 0
             return
-        expected = {"raise": ValueError, "uncaught_error": pg_errors.DivisionByZero}.get(body)
+        expected = {
+            "raise": ValueError,
+            "uncaught_error": pg_errors.DivisionByZero,
+            "commit": psycopg.ProgrammingError,
+        }.get(body)
         if expected is None:
             assert outcome is None, f"{entry}: lock.transaction() with {body} gave {outcome!r}"
         else:
