@@ -15,7 +15,8 @@ bench/chart.png and bench/scale.png from those files alone:
 7. ``bench.scale``: cost against foreign locks, sessions for 1,000 and 10,000
    holders, lock throughput;
 8. ``bench.shards``: routing a name to its shard, 100,000 locks held over three
-   shard servers, lock throughput with 1 to 3 shards, a capacity model.
+   shard servers, lock throughput with 1 to 3 shards, a capacity model;
+9. ``bench.orm``: a fenced ORM write (``pglock_database``) against an unfenced one.
 
 ``make bench ARGS="--sections 1,7"`` (numbers or names) runs some of them and
 rewrites their data only; ``python -m bench.<question>`` runs one alone;
@@ -34,6 +35,7 @@ from bench import (
     fanout,
     guard,
     latency,
+    orm,
     peak,
     recovery,
     report,
@@ -51,6 +53,7 @@ QUESTIONS: tuple[ModuleType, ...] = (
     guard,
     scale,
     shards,
+    orm,
 )
 
 
