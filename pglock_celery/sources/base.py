@@ -91,18 +91,18 @@ def fenced_transaction(
                     yield handle
                 except BaseException as exc:
                     handle.in_fenced_transaction = False
-                    _end_after_failure(own, hold.key)
+                    _end_after_failure(own, handle, hold.key)
                     if not isinstance(exc, psycopg.Rollback) or exc.transaction is not None:
                         raise
                     return  # psycopg.Rollback(): the block's work undone, as psycopg does
                 handle.in_fenced_transaction = False
                 committing = before_commit is None
-                _end(own, hold.key, commit=committing)
+                _end(own, handle, hold.key, commit=committing)
                 if before_commit is not None:
                     with library_code():
                         before_commit()
                     committing = True
-                    with library_code():
+                    with library_code(), handle.lock:
                         own.execute(b"COMMIT", prepare=False)
     except StatementDeadline as exc:
         if committing:
@@ -135,9 +135,13 @@ def fenced_transaction(
 def _open(own: psycopg.Connection[Any], handle: psycopg.Connection[Any], key: int) -> bool:
     """Begin the holder's transaction (in ``handle``'s modes), prove and pin ``key``,
     and open the holder's savepoint, in one round trip; whether the key is held (the
-    transaction is rolled back when not)."""
+    transaction is rolled back when not).
+
+    Every statement of the holder's transaction goes under ``handle.lock``: the
+    session's guard while the handle lives, refused once the release revoked it (the
+    session may serve another holder by then)."""
     opening = sql.holder_transaction_opening(_begin(handle), key)
-    with library_code():
+    with library_code(), handle.lock:
         try:
             cursor = own.execute(opening, prepare=False)
             cursor.nextset()  # the proof's row
@@ -151,10 +155,12 @@ def _open(own: psycopg.Connection[Any], handle: psycopg.Connection[Any], key: in
     return True
 
 
-def _end(own: psycopg.Connection[Any], key: int, *, commit: bool) -> None:
+def _end(
+    own: psycopg.Connection[Any], handle: psycopg.Connection[Any], key: int, *, commit: bool
+) -> None:
     """Out of the holder's savepoint, the key's count restored, and COMMIT with
     ``commit``: one round trip. What a failure leaves open is rolled back."""
-    with library_code():
+    with library_code(), handle.lock:
         try:
             own.execute(sql.holder_transaction_end(key, failed=False, commit=commit), prepare=False)
         except BaseException:
@@ -162,11 +168,14 @@ def _end(own: psycopg.Connection[Any], key: int, *, commit: bool) -> None:
             raise
 
 
-def _end_after_failure(own: psycopg.Connection[Any], key: int) -> None:
+def _end_after_failure(
+    own: psycopg.Connection[Any], handle: psycopg.Connection[Any], key: int
+) -> None:
     """After the holder's block failed: back to its savepoint, the key's count restored,
     and ROLLBACK, in one round trip. A session that fails meanwhile leaves nothing to
-    roll back; the block's own error is the one that goes on."""
-    with library_code(), contextlib.suppress(psycopg.Error):
+    roll back (a revoked handle's, the release rolls back); the block's own error is
+    the one that goes on."""
+    with library_code(), contextlib.suppress(psycopg.Error), handle.lock:
         if own.pgconn.transaction_status == pq.TransactionStatus.IDLE:
             return  # ended by SQL of the holder's own: nothing is left to end
         try:

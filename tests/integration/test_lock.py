@@ -117,6 +117,28 @@ def test_open_transaction_is_rolled_back_at_release(pg_dsn: str, run_id: str) ->
             setup.execute(f"DROP TABLE open_{run_id}")
 
 
+def test_a_transaction_begun_after_its_lock_was_released_never_runs_on_the_next_holders_session(
+    pg_dsn: str, run_id: str
+) -> None:
+    """lock.transaction() made, the lock released (a thread the body left running, say),
+    the session handed to the next holder of the same name: entering the old block is
+    refused before any statement of it reaches the next holder's session (under
+    strategy reuse it is the same session: the block proving "its" key there would
+    succeed)."""
+    lock = try_lock(f"t:{run_id}", dsn=pg_dsn)
+    lock.acquire()
+    block = lock.transaction()
+    lock.release()
+    with try_lock(f"t:{run_id}", dsn=pg_dsn) as next_holder:
+        assert next_holder.acquired
+        with pytest.raises(psycopg.OperationalError, match="released"):
+            with block:
+                pytest.fail("the released lock's transaction began")
+        status = next_holder.connection.info.transaction_status
+        assert status == psycopg.pq.TransactionStatus.IDLE
+        assert next_holder.held()
+
+
 def test_wait_lock_times_out_while_another_session_holds_it(pg_dsn: str, run_id: str) -> None:
     with try_lock(f"t:{run_id}", dsn=pg_dsn) as holder:
         assert holder.acquired
