@@ -17,7 +17,7 @@ from .. import sql
 from ..config import PglockConfig
 from ..dsn import describe_target, without_server
 from ..exceptions import LockLost, LockUnavailable
-from ..handles import HandleConnection, SessionConnection, StatementDeadline
+from ..handles import HandleConnection, Revoked, SessionConnection, StatementDeadline
 from ..inspect import Holder, holder_on
 from ..leader import LeaderSource, Standing, leader_source
 from ..loss import Loss, LossKind, lock_gone, session_ended
@@ -64,6 +64,10 @@ def fenced_transaction(
     """
     session = hold.session
     assert session is not None
+    if isinstance(handle.lock, Revoked):
+        # Released: refused as every statement through the handle is, whatever the
+        # session became since (closed under connect, the next holder's under reuse).
+        raise psycopg.OperationalError(handle.lock.message)
     deadline = session.statement_deadline
     proven = committing = False
     try:
