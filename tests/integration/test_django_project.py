@@ -188,6 +188,18 @@ def test_a_locked_tasks_orm_writes_commit_on_the_lock_session(
     assert ledger(pg_dsn, tenant) == [("paid", result["backend_pid"])] * 2
 
 
+def test_writes_in_signal_receivers_commit_on_the_lock_session(
+    worker: Worker, shop_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    """A post_save receiver's write (autocommit and in atomic()) and a custom signal's:
+    written by the lock's backend, the guard accepts the ledger's."""
+    tenant = f"{run_id}-{worker.pool}-signals"
+    result = send(shop_app, worker, "record_through_signals", tenant).get(timeout=RESULT_TIMEOUT)
+    pid = result["backend_pid"]
+    assert ledger(pg_dsn, tenant) == [("signalled", pid), ("audit", pid)] * 2
+    assert notes(pg_dsn, tenant) == ["after"]
+
+
 def round_trips(messages: list[list[str]]) -> int:
     """How many times the client waited for the server: each simple Query or Sync ends one."""
     return sum(kind in ("Query", "Sync") for kind, *_ in messages)
@@ -547,7 +559,7 @@ ORM_WRITES = (
     "create", "atomic", "nested atomic", "savepoint", "on_commit", "select_for_update",
     "bulk_create", "bulk_update", "update_or_create", "get_or_create", "update", "delete",
     "raw sql", "set_autocommit", "close_old_connections", "connection.close",
-    "asyncio.run(acreate)", "async_to_sync(acreate)",
+    "signal receiver", "asyncio.run(acreate)", "async_to_sync(acreate)",
 )  # fmt: skip
 
 
@@ -572,8 +584,8 @@ def test_no_way_of_the_orm_to_write_commits_after_the_loss(
 ) -> None:
     """create, atomic (nested, savepoints), on_commit, select_for_update, bulk_create and
     bulk_update, update_or_create, get_or_create, update, delete, raw SQL, set_autocommit,
-    close_old_connections, connection.close() and the async ORM, each tried once the
-    loss is found: none commits (prefork and threads)."""
+    close_old_connections, connection.close(), a signal's receiver and the async ORM,
+    each tried once the loss is found: none commits (prefork and threads)."""
     tenant = f"{run_id}-{worker.pool}-every-write"
     _no_orm_write_commits_after_the_loss(worker, shop_app, pg_dsn, tenant, beacon, outcomes)
 

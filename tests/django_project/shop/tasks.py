@@ -15,6 +15,7 @@ from pglock_celery import LockLost, PglockError, TenantLockedTask, current_lock
 from pglock_celery.django import dsn
 
 from .models import Ledger, Note
+from .signals import paid
 
 #: The guarded table's lock name too (installed by its migration 0002).
 LOCK = "shop:{tenant}"
@@ -44,6 +45,19 @@ def record(tenant: str, entry: str) -> dict[str, Any]:
         "data": [row.data for row in rows],
         "aware": all(row.written_at.tzinfo is not None for row in rows),
     }
+
+
+@shared_task(base=TenantLockedTask, lock_name=LOCK)
+def record_through_signals(tenant: str) -> dict[str, Any]:
+    """A "signalled" entry, whose post_save receiver writes an "audit" one, in autocommit
+    and then in atomic(); and the "paid" signal, whose receiver writes a note."""
+    lock = current_lock()
+    assert lock is not None
+    Ledger.objects.create(tenant=tenant, entry="signalled")
+    with transaction.atomic():
+        Ledger.objects.create(tenant=tenant, entry="signalled")
+        paid.send(sender=None, tenant=tenant)
+    return {"backend_pid": lock.backend_pid}
 
 
 @shared_task(base=TenantLockedTask, lock_name=LOCK)
@@ -389,6 +403,7 @@ def _orm_writes(tenant: str) -> dict[str, Any]:
         "set_autocommit": manual_transaction,
         "close_old_connections": after_close_old_connections,
         "connection.close": after_connection_close,
+        "signal receiver": lambda: paid.send(sender=None, tenant=tenant),
         "asyncio.run(acreate)": lambda: asyncio.run(acreate()),
         "async_to_sync(acreate)": lambda: async_to_sync(acreate)(),
     }
