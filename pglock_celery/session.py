@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import psycopg
 from psycopg import errors, generators, pq, waiting
+from psycopg.abc import PQGen
 from psycopg.conninfo import conninfo_to_dict
 
 from . import sql
@@ -676,6 +677,41 @@ class LockSession:
         with self.guard:
             self.conn.execute(text)
 
+    def unlock_and_reset(self, text: bytes, params: Sequence[bytes]) -> tuple[bytes | None, bool]:
+        """The unlock ``text`` (one of the library's statements), then DISCARD ALL, in one
+        round trip: libpq's pipeline with a Sync between them (DISCARD ALL cannot run in
+        a transaction block, which a multi-statement query is). The unlock goes first:
+        DISCARD ALL frees every advisory lock itself, which would hide whether the lock
+        was still held. The unlock's first value (psycopg.Error when it failed), and
+        whether the reset succeeded (when not, the session is not to be used again). A
+        wait cut short (the deadline, an interrupt) closes the session.
+        """
+        pgconn = self.pgconn
+        with self.guard:
+            try:
+                pgconn.enter_pipeline_mode()
+                pgconn.send_query_params(text, params)
+                pgconn.pipeline_sync()
+                pgconn.send_query_params(sql.RESET_HANDED_OUT, None)
+                pgconn.pipeline_sync()
+                groups = self._wait(
+                    _through_two_syncs(pgconn),
+                    pgconn.socket,
+                    interval=_WAIT_INTERVAL,
+                    timeout=self.statement_deadline,
+                )
+                pgconn.exit_pipeline_mode()
+            except BaseException:
+                self.close()  # nothing of a pipeline cut midway can be trusted
+                raise
+        unlock, reset = groups[0][-1], groups[2][-1]
+        if unlock.status != pq.ExecStatus.TUPLES_OK:
+            raise errors.error_from_result(unlock, encoding=self.conn.info.encoding)
+        reset_done = reset.status == pq.ExecStatus.COMMAND_OK
+        if reset_done:
+            self.forget_prepared()
+        return unlock.get_value(0, 0), reset_done
+
     def forget_prepared(self) -> None:
         """After DISCARD ALL: the server dropped every prepared statement."""
         self._prepared.clear()
@@ -768,3 +804,16 @@ def _ends_the_session(kind: bytes, body: bytes) -> bool:
     return (kind == b"E" and severity in _FATAL_SEVERITIES) or fields.get(b"C", b"").startswith(
         b"57P"
     )
+
+
+def _through_two_syncs(pgconn: pq.abc.PGconn) -> PQGen[list[list[pq.abc.PGresult]]]:
+    """Flush a pipeline of two statements, each followed by a Sync, and read it whole:
+    [first's results], [sync], [second's results], [sync]."""
+    yield from generators.send(pgconn)
+    groups: list[list[pq.abc.PGresult]] = []
+    syncs = 0
+    while syncs < 2:
+        group = yield from generators.fetch_many(pgconn)
+        groups.append(group)
+        syncs += any(result.status == pq.ExecStatus.PIPELINE_SYNC for result in group)
+    return groups

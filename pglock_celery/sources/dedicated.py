@@ -168,13 +168,7 @@ class DedicatedSource(Source):
                 # Its session was cut when the loss was found: it serves nobody again.
                 session.revoke(f"lock {hold.label} was lost: this connection is closed")
                 raise LockLost(f"lock {hold.label} was lost while held: {hold.lost}")
-            keep = self._unlock(session, hold) and clean
-            if keep and session.handed_out:
-                try:
-                    session.execute(sql.RESET_HANDED_OUT)
-                    session.forget_prepared()
-                except psycopg.Error:
-                    keep = False
+            keep = self._unlock(session, hold, reset=clean) and clean
         finally:
             # Kept idle for a later lock only when nothing is in doubt and there is room.
             kept = False
@@ -193,8 +187,11 @@ class DedicatedSource(Source):
             if not kept:
                 self._discard(session)
 
-    def _unlock(self, session: LockSession, hold: Hold) -> bool:
+    def _unlock(self, session: LockSession, hold: Hold, *, reset: bool) -> bool:
         """Unlock and wait for it; whether the session may be used again, or LockLost.
+
+        With ``reset``, a session that may be kept and was handed out is reset too
+        (DISCARD ALL, in the same round trip): what its holder left goes with the lock.
 
         A session that a statement still keeps busy (another thread's, one sent
         around the library, an open pipeline) cannot run the unlock: its backend
@@ -217,7 +214,10 @@ class DedicatedSource(Source):
             if status not in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
                 session.conn.rollback()  # made under the lock: it must not outlive it
                 clean = False
-            if self.reuse:
+            if self.reuse and clean and reset and session.handed_out:
+                params = (key, self._idle_name.encode())
+                unlocked, clean = session.unlock_and_reset(sql.UNLOCK_FOR_REUSE[1], params)
+            elif self.reuse:
                 params = (key, self._idle_name.encode())
                 unlocked = session.query(*sql.UNLOCK_FOR_REUSE, params).get_value(0, 0)
             else:

@@ -9,10 +9,13 @@ replaced; at most pglock_idle_sessions are kept; the connect strategy keeps none
 
 from __future__ import annotations
 
+import itertools
 import os
+import tempfile
 
 import psycopg
 import pytest
+from psycopg import pq
 from psycopg.rows import dict_row, tuple_row
 
 from pglock_celery import LockLost, LockTimeout, lock_key, try_lock
@@ -46,6 +49,30 @@ def test_a_clean_release_returns_the_session_for_the_next_lock(pg_dsn: str, run_
         ).fetchone()
     assert name == (f"pglock-idle|{os.getpid()}",)  # back in the cache, under its idle name
     assert held == (0,)
+
+
+def test_the_release_of_a_used_handle_unlocks_and_resets_in_one_round_trip(
+    pg_dsn: str, run_id: str
+) -> None:
+    """The unlock and DISCARD ALL both sent before any answer is read (libpq's trace of
+    the release: two Syncs, then the server's messages), and the session kept."""
+    first = lock(pg_dsn, f"a:{run_id}")
+    assert first.acquire()
+    first.connection.execute("SET work_mem = '7MB'")
+    with tempfile.TemporaryFile("w+") as trace:
+        first.connection.pgconn.trace(trace.fileno())  # no reference kept: it stays reusable
+        first.connection.pgconn.set_trace_flags(
+            pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE
+        )
+        first.release()
+        assert registry.idle_count() == 1
+        with lock(pg_dsn, f"b:{run_id}") as second:
+            second.connection.pgconn.untrace()
+            assert second.connection.execute("SHOW work_mem").fetchone() != ("7MB",)
+        trace.seek(0)
+        messages = [line.split("\t")[:3] for line in trace.read().splitlines()]
+    sent_first = [kind for side, _, kind in itertools.takewhile(lambda m: m[0] == "F", messages)]
+    assert sent_first.count("Sync") == 2, messages
 
 
 def test_the_connect_strategy_never_keeps_a_session(pg_dsn: str, run_id: str) -> None:
