@@ -174,14 +174,17 @@ def idle_name(prefix: str) -> str:
     return f"{prefix}-idle{FIELD_SEPARATOR}{os.getpid()}"
 
 
-def _server_settings(config: PglockConfig) -> dict[str, int]:
+def _server_settings(config: PglockConfig) -> dict[str, int | str]:
     """The server settings a lock session needs in force, for its own session only.
 
     A role's statement_timeout or lock_timeout would cancel a wait that only the
     caller's timeout may end, and its idle timeouts would end a session holding a
-    lock between statements.
+    lock between statements. With ``pglock_database``, the session starts in the time
+    zone Django gives the alias's connections: the body's connection then needs no
+    set-up of its own, and the release's DISCARD ALL returns to it. (Nothing of the
+    library's reads a time as text: its times are instants, whatever the zone.)
     """
-    return {
+    settings: dict[str, int | str] = {
         "tcp_keepalives_idle": config.server_keepalives_idle,
         "tcp_keepalives_interval": config.server_keepalives_interval,
         "tcp_keepalives_count": config.server_keepalives_count,
@@ -192,11 +195,22 @@ def _server_settings(config: PglockConfig) -> dict[str, int]:
         "statement_timeout": 0,
         "lock_timeout": 0,
     }
+    if config.database is not None:
+        from .django import time_zone
+
+        if zone := time_zone(config.database):
+            settings["TimeZone"] = zone
+    return settings
+
+
+def _option(value: object) -> str:
+    """A value as libpq's ``options`` reads it: a space or a backslash escaped."""
+    return str(value).replace("\\", "\\\\").replace(" ", "\\ ")
 
 
 def _session_options(config: PglockConfig, inherited: str | None, token: str) -> str:
     settings: dict[str, object] = {**_server_settings(config), sql.SESSION_TOKEN_SETTING: token}
-    ours = " ".join(f"-c {name}={value}" for name, value in settings.items())
+    ours = " ".join(f"-c {name}={_option(value)}" for name, value in settings.items())
     return f"{inherited} {ours}" if inherited else ours
 
 

@@ -44,6 +44,16 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+def time_zone(alias: str) -> str:
+    """The time zone Django sets on the connections of ``alias`` (its backend's
+    ``timezone_name``): ``TIME_ZONE`` without ``USE_TZ``, else the alias's own
+    ``TIME_ZONE``, else UTC (empty: Django sets none)."""
+    if not settings.USE_TZ:
+        return str(settings.TIME_ZONE or "")
+    own = settings.DATABASES[alias].get("TIME_ZONE")
+    return "UTC" if own is None else str(own)
+
+
 def dsn(alias: str = "default") -> str:
     """Return a libpq connection string for ``settings.DATABASES[alias]``.
 

@@ -49,9 +49,9 @@ def shop_env(pg_dsn: str, broker_url: str) -> dict[str, str]:
         "SHOP_BROKER_URL": broker_url,
         "SHOP_QUEUE": f"shop-{uuid.uuid4().hex[:8]}",
         "PGLOCK_DSN": "",  # the lock DSN comes from DATABASES["default"] only
-        # Sessions start in a zone other than Django's (UTC), as on many servers: each
-        # connection Django opens sets its own (and each release's DISCARD ALL undoes it).
-        "PGTZ": "America/Chicago",
+        # The project's connections start in a zone other than Django's (UTC), as on
+        # many servers (SHOP_DB_OPTIONS, the libpq options of its DATABASES entry).
+        "SHOP_DB_OPTIONS": "-c TimeZone=America/Chicago",
     }
     env["PGLOCK_TEST_QUEUE"] = env["SHOP_QUEUE"]
     return env
@@ -205,13 +205,29 @@ def round_trips(messages: list[list[str]]) -> int:
     return sum(kind in ("Query", "Sync") for kind, *_ in messages)
 
 
+def test_a_bodys_connection_needs_no_time_zone_set_up(
+    worker: Worker, shop_app: Celery, pg_dsn: str, run_id: str
+) -> None:
+    """The lock session starts in Django's zone for the alias, whatever the alias's own
+    options say (Chicago): the body's connection sends no set-up, call after call (the
+    release's DISCARD ALL returns to the session's start)."""
+    for call in range(2):
+        tenant = f"{run_id}-{worker.pool}-zone-{call}"
+        sent = send(shop_app, worker, "one_write_traced", tenant).get(timeout=RESULT_TIMEOUT)
+        assert not any("TimeZone" in text for _, *rest in sent for text in rest), sent
+        assert notes(pg_dsn, tenant) == ["traced"]
+
+
 def test_djangos_time_zone_set_up_runs_outside_the_fence_in_one_round_trip(
     worker: Worker, shop_app: Celery, run_id: str
 ) -> None:
-    """The connection Django opens in a body sets its time zone (the session starts in
-    another): a session setting, sent alone, never as a fenced transaction of its own."""
+    """A body that moved its session to another zone before its first ORM call: the
+    connection Django opens sets its own, a session setting sent alone, never as a
+    fenced transaction of its own."""
     tenant = f"{run_id}-{worker.pool}"
-    sent = send(shop_app, worker, "one_write_traced", tenant).get(timeout=RESULT_TIMEOUT)
+    sent = send(shop_app, worker, "one_write_traced", tenant, "America/Chicago").get(
+        timeout=RESULT_TIMEOUT
+    )
     texts = [text for _, *rest in sent for text in rest]
     set_up = next(i for i, text in enumerate(texts) if "'TimeZone'" in text)
     assert not any("BEGIN" in text for text in texts[:set_up]), sent

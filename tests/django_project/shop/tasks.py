@@ -61,11 +61,14 @@ def record_through_signals(tenant: str) -> dict[str, Any]:
 
 
 @shared_task(base=TenantLockedTask, lock_name=LOCK)
-def one_write_traced(tenant: str) -> list[list[str]]:
+def one_write_traced(tenant: str, zone: str | None = None) -> list[list[str]]:
     """One row created in autocommit, the lock session's protocol traced by libpq
-    meanwhile: every message the client sent, as [type, text]."""
+    meanwhile: every message the client sent, as [type, text]. With ``zone``, the
+    session is moved to it first (through lock.connection, outside the trace)."""
     lock = current_lock()
     assert lock is not None
+    if zone is not None:
+        lock.connection.execute(sql.SQL("SET TimeZone = {}").format(sql.Literal(zone)))
     pgconn = lock.connection.pgconn
     with tempfile.TemporaryFile("w+") as trace:
         pgconn.trace(trace.fileno())

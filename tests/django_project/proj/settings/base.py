@@ -22,6 +22,8 @@ _default = {
     "CONN_MAX_AGE": 60,
     "OPTIONS": {"connect_timeout": 5, "application_name": "shop"},
 }
+if os.environ.get("SHOP_DB_OPTIONS"):
+    _default["OPTIONS"]["options"] = os.environ["SHOP_DB_OPTIONS"]
 if os.environ.get("SHOP_DB_HOST"):
     _default["HOST"] = os.environ["SHOP_DB_HOST"]
 DATABASES = {"default": _default}
