@@ -18,6 +18,7 @@ from pglock_celery import ConfigurationError
 from pglock_celery.config import PglockConfig, load_config
 from pglock_celery.django.fence import use_adapters
 from pglock_celery.handles import dead_pgconn
+from pglock_celery.session import connect_kwargs
 from tests.support.workers import ROOT
 
 PROJECT = ROOT / "tests" / "django_project"
@@ -165,3 +166,33 @@ def test_psycopgs_adapters_attribute_is_still_where_the_fence_sets_it() -> None:
     use_adapters(connection, template)
     loader = connection.adapters.get_loader(postgres.types["jsonb"].oid, psycopg.pq.Format.TEXT)
     assert loader is Marker
+
+
+@pytest.mark.parametrize(
+    ("use_tz", "alias_zone", "zone"),
+    [(True, None, "UTC"), (True, "Asia/Tokyo", "Asia/Tokyo"), (False, None, "Europe/Paris")],
+    ids=["utc", "the-alias-own", "without-use-tz"],
+)
+def test_the_lock_session_starts_in_the_zone_django_gives_the_alias(
+    monkeypatch: pytest.MonkeyPatch, use_tz: bool, alias_zone: str | None, zone: str
+) -> None:
+    """Django's own rule (BaseDatabaseWrapper.timezone_name), after the alias's options."""
+    monkeypatch.setattr(settings, "USE_TZ", use_tz)
+    monkeypatch.setattr(settings, "TIME_ZONE", "Europe/Paris")
+    entry = {**ENTRY, "TIME_ZONE": alias_zone, "OPTIONS": {"options": "-c TimeZone=Etc/GMT+6"}}
+    monkeypatch.setattr(settings, "DATABASES", {"default": entry})
+    from django.db.utils import ConnectionHandler
+
+    assert ConnectionHandler()["default"].timezone_name == zone  # Django's own reading
+    options = str(connect_kwargs(load_config({"pglock_database": "default"}, {}), "x")["options"])
+    assert options.startswith("-c TimeZone=Etc/GMT+6 ")
+    assert options.endswith(f" -c TimeZone={zone}") or f" -c TimeZone={zone} " in options
+
+
+def test_a_zone_with_a_space_is_escaped_as_libpq_reads_options(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(settings, "USE_TZ", True)
+    monkeypatch.setattr(settings, "DATABASES", {"default": {**ENTRY, "TIME_ZONE": "a b\\c"}})
+    options = str(connect_kwargs(load_config({"pglock_database": "default"}, {}), "x")["options"])
+    assert "-c TimeZone=a\\ b\\\\c " in options + " "
