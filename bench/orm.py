@@ -103,7 +103,7 @@ def measure_orm(dsn: str) -> dict[str, Any]:
     table = row._meta.db_table
     with connection.schema_editor() as editor:
         editor.create_model(row)
-    config = PglockConfig(dsn=dsn)
+    config = PglockConfig(dsn=dsn, database="default")  # as pglock_database makes it
     name = f"bench:orm:{uuid.uuid4().hex[:6]}"
 
     def one() -> None:
